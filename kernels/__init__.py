@@ -1,0 +1,1 @@
+"""Triton kernels, installed as ``vqlcmd.kernels`` (see setup.py for why not ``kernels``)."""

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs the project and everything it needs from the package index, then
+# builds the package in place. Used by the quick start, the tests and CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# nvcc on PATH may be a wrapper script, from which torch guesses a wrong CUDA_HOME.
+if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
+PIP="python -m pip install --disable-pip-version-check -q"
+# torch first: the extension's build imports it (--no-build-isolation keeps one torch).
+$PIP "torch==2.14.1" "torchvision==0.29.1" setuptools wheel ninja pybind11
+$PIP -r requirements.txt
+$PIP --no-build-isolation --no-deps -e .

@@ -1,0 +1,218 @@
+"""Reference ops against independent computations (loops, float64 gradcheck, hand formulas)."""
+import pytest
+import torch
+
+from vqlcmd import ops
+from vqlcmd.ops import reference
+
+
+def test_every_op_has_reference_backend():
+    for op in ops.__all__:
+        if op in ("BACKENDS", "available_backends", "why_not"):
+            continue
+        assert "reference" in ops.available_backends(op)
+
+
+def test_unknown_backend_and_unavailable_backend_errors():
+    x = torch.randn(3, 5)
+    with pytest.raises(ValueError, match="backend must be"):
+        ops.categorical_kl(x, x, backend="cuda")
+    with pytest.raises(ValueError, match="unknown op"):
+        ops.available_backends("nope")
+
+
+def test_unavailable_backend_says_why(monkeypatch):
+    from vqlcmd.ops import _dispatch
+
+    fake = _dispatch._Impl(fn=None, unavailable=lambda: "not built here", unsupported=_dispatch._never,
+                           priority=lambda d: 5)
+    monkeypatch.setitem(_dispatch._REGISTRY["categorical_kl"], "compiled", fake)
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="not built here"):
+        ops.categorical_kl(x, x, backend="compiled")
+    assert "compiled" not in ops.available_backends("categorical_kl")
+    ops.categorical_kl(x, x)  # auto skips it
+
+
+# ---- softmax_embedding_average ----------------------------------------------------------------
+
+def test_softmax_embedding_average_matches_loop(gen):
+    logits = torch.randn(2, 3, 7, generator=gen)
+    table = torch.randn(7, 5, generator=gen)
+    out = ops.softmax_embedding_average(logits, table, backend="reference")
+    assert out.shape == (2, 3, 5)
+    for i in range(2):
+        for j in range(3):
+            p = torch.exp(logits[i, j]) / torch.exp(logits[i, j]).sum()
+            torch.testing.assert_close(out[i, j], sum(p[k] * table[k] for k in range(7)))
+
+
+def test_softmax_embedding_average_gradcheck(gen):
+    logits = torch.randn(4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    table = torch.randn(6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: ops.softmax_embedding_average(a, b, backend="reference"),
+                                    (logits, table))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_softmax_embedding_average_low_precision_inputs(dtype, gen):
+    logits = torch.randn(5, 11, generator=gen)
+    table = torch.randn(11, 4, generator=gen)
+    out = ops.softmax_embedding_average(logits.to(dtype), table.to(dtype))
+    assert out.dtype == dtype
+    ref = torch.softmax(logits.to(dtype).float(), -1) @ table.to(dtype).float()
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_softmax_embedding_average_shape_errors():
+    with pytest.raises(ValueError, match="K=5"):
+        ops.softmax_embedding_average(torch.randn(2, 5), torch.randn(6, 3))
+    with pytest.raises(TypeError, match="float32"):
+        ops.softmax_embedding_average(torch.randint(0, 3, (2, 5)), torch.randn(5, 3))
+
+
+# ---- guided_embedding_average -----------------------------------------------------------------
+
+def test_guided_average_zero_scale_equals_plain(gen):
+    c, u = torch.randn(2, 3, 9, generator=gen), torch.randn(2, 3, 9, generator=gen)
+    table = torch.randn(9, 4, generator=gen)
+    torch.testing.assert_close(ops.guided_embedding_average(c, u, table, 0.0),
+                               ops.softmax_embedding_average(c, table))
+
+
+def test_guided_average_matches_formula(gen):
+    c, u = torch.randn(4, 9, generator=gen), torch.randn(4, 9, generator=gen)
+    table = torch.randn(9, 4, generator=gen)
+    w = 1.5
+    pc, pu = torch.softmax(c, -1), torch.softmax(u, -1)
+    unnorm = pc ** (1 + w) / pu ** w  # P(.|y)^(1+ω) / P(.|∅)^ω
+    expected = (unnorm / unnorm.sum(-1, keepdim=True)) @ table
+    torch.testing.assert_close(ops.guided_embedding_average(c, u, table, w), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=">= 0"):
+        ops.guided_embedding_average(c, u, table, -1.0)
+
+
+# ---- categorical_kl ---------------------------------------------------------------------------
+
+def test_kl_nonnegative_zero_for_equal_and_matches_definition(gen):
+    a, b = torch.randn(6, 13, generator=gen) * 3, torch.randn(6, 13, generator=gen) * 3
+    kl = ops.categorical_kl(a, b)
+    assert kl.shape == (6,) and kl.dtype == torch.float32
+    assert (kl >= 0).all()
+    torch.testing.assert_close(ops.categorical_kl(a, a), torch.zeros(6), atol=1e-6, rtol=0)
+    p, q = torch.softmax(a.double(), -1), torch.softmax(b.double(), -1)
+    torch.testing.assert_close(kl.double(), (p * (p / q).log()).sum(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_kl_gradient_to_student_only_and_gradcheck(gen):
+    a = torch.randn(3, 2, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 2, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda s: ops.categorical_kl(a, s, backend="reference"), (b,))
+    ops.categorical_kl(a, b).sum().backward()
+    assert a.grad is None and b.grad is not None
+    # d KL / d student = softmax(student) - softmax(teacher)
+    torch.testing.assert_close(b.grad, torch.softmax(b, -1) - torch.softmax(a, -1))
+
+
+def test_kl_extreme_logits_finite():
+    a = torch.tensor([[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]])
+    b = torch.tensor([[0.0, 1e4, -1e4], [1e4, 0.0, -1e4]])
+    kl = ops.categorical_kl(a, b)
+    assert torch.isfinite(kl).all()
+    torch.testing.assert_close(kl, torch.tensor([1e4, 1e4 - torch.log(torch.tensor(3.0)).item()]), rtol=1e-6, atol=0)
+
+
+def test_kl_shape_mismatch():
+    with pytest.raises(ValueError, match="one shape"):
+        ops.categorical_kl(torch.randn(2, 5), torch.randn(2, 6))
+
+
+# ---- noise_embeddings -------------------------------------------------------------------------
+
+def _noise_inputs(gen, B=3, M=5, V=9, D=4):
+    tokens = torch.randint(0, V - 1, (B, M), generator=gen)
+    table = torch.randn(V, D, generator=gen)
+    alpha, sigma = torch.rand(B, generator=gen), torch.rand(B, generator=gen)
+    noise = torch.randn(B, M, D, generator=gen)
+    drop = torch.rand(B, M, generator=gen) < 0.4
+    return tokens, table, alpha, sigma, noise, drop
+
+
+def test_noise_embeddings_matches_loop(gen):
+    tokens, table, alpha, sigma, noise, drop = _noise_inputs(gen)
+    z = ops.noise_embeddings(tokens, table, alpha, sigma, noise=noise, drop_mask=drop, mask_index=8)
+    B, M = tokens.shape
+    for b in range(B):
+        for i in range(M):
+            row = 8 if drop[b, i] else tokens[b, i]
+            torch.testing.assert_close(z[b, i], alpha[b] * table[row] + sigma[b] * noise[b, i])
+
+
+def test_noise_embeddings_generator_reproducible_and_standard_normal(gen):
+    tokens, table, alpha, sigma, _, _ = _noise_inputs(gen, B=4, M=64, D=32)
+    zero = torch.zeros(4)
+    z1 = ops.noise_embeddings(tokens, table, zero, torch.ones(4), generator=torch.Generator().manual_seed(3))
+    z2 = ops.noise_embeddings(tokens, table, zero, torch.ones(4), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(z1, z2)
+    assert abs(z1.mean()) < 0.05 and abs(z1.var() - 1) < 0.05
+
+
+def test_noise_embeddings_gradcheck_in_table(gen):
+    tokens, table, alpha, sigma, noise, drop = _noise_inputs(gen)
+    table = table.double().requires_grad_()
+    f = lambda tb: ops.noise_embeddings(tokens, tb, alpha.double(), sigma.double(), noise=noise.double(),
+                                        drop_mask=drop, mask_index=8, backend="reference")
+    assert torch.autograd.gradcheck(f, (table,))
+
+
+def test_noise_embeddings_bad_inputs(gen):
+    tokens, table, alpha, sigma, noise, drop = _noise_inputs(gen)
+    with pytest.raises(IndexError, match="outside the table"):
+        ops.noise_embeddings(tokens + 100, table, alpha, sigma, noise=noise)
+    with pytest.raises(ValueError, match="mask_index"):
+        ops.noise_embeddings(tokens, table, alpha, sigma, noise=noise, drop_mask=drop)
+    with pytest.raises(ValueError, match="alpha must have shape"):
+        ops.noise_embeddings(tokens, table, alpha[:2], sigma, noise=noise)
+    with pytest.raises(TypeError, match="int64"):
+        ops.noise_embeddings(tokens.float(), table, alpha, sigma, noise=noise)
+    with pytest.raises(ValueError, match="noise must have shape"):
+        ops.noise_embeddings(tokens, table, alpha, sigma, noise=noise[:, :2])
+
+
+# ---- ddim_teacher_step ------------------------------------------------------------------------
+
+def test_ddim_teacher_step_formula_and_no_grad(gen):
+    tokens, table, alpha_t, sigma_t, z_t, _ = _noise_inputs(gen)
+    alpha_s, sigma_s = torch.rand(3, generator=gen), torch.rand(3, generator=gen) + 0.1
+    table.requires_grad_()
+    z_s = ops.ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
+    assert not z_s.requires_grad
+    e = table.detach()[tokens]
+    r = (sigma_s / sigma_t)[:, None, None]
+    expected = alpha_s[:, None, None] * e + r * (z_t - alpha_t[:, None, None] * e)
+    torch.testing.assert_close(z_s, expected)
+
+
+def test_ddim_teacher_step_on_clean_trajectory_is_exact(gen):
+    """With z_t = α_t e + σ_t ε, one DDIM step lands on α_s e + σ_s ε (the same PF-ODE trajectory)."""
+    tokens, table, alpha_t, _, eps, _ = _noise_inputs(gen)
+    sigma_t = (1 - alpha_t**2).sqrt()
+    alpha_s = torch.rand(3, generator=gen)
+    sigma_s = (1 - alpha_s**2).sqrt()
+    e = table[tokens]
+    z_t = alpha_t[:, None, None] * e + sigma_t[:, None, None] * eps
+    z_s = ops.ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
+    torch.testing.assert_close(z_s, alpha_s[:, None, None] * e + sigma_s[:, None, None] * eps, rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_ddim_teacher_step_gradcheck_free_and_float64(gen):
+    tokens, table, a, s, z, _ = _noise_inputs(gen)
+    out = reference.ddim_teacher_step(tokens, table.double(), z.double(), a, s, a, s)
+    assert out.dtype == torch.float64
+
+
+def test_ddim_shape_error(gen):
+    tokens, table, a, s, z, _ = _noise_inputs(gen)
+    with pytest.raises(ValueError, match="z_t must have shape"):
+        ops.ddim_teacher_step(tokens, table, z[:, :, :2], a, s, a, s)

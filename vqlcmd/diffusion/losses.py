@@ -1,0 +1,146 @@
+"""The VQ-LCMD training objective (VQ-LCMD.md "Training step", paper Algorithm 1).
+
+    L = L0 + β_DM · L_DM + β_CM · L_CM
+
+Takes the networks as arguments (the model is a pure denoiser). Every ablation
+switch of the paper is a field of :class:`LossConfig`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..network import VQLCMDNetwork
+from ..schedule import ShiftedCosineSchedule
+
+DROP_STRATEGIES = ("fixed", "linear", "random_ratio", "none")
+WEIGHTINGS = ("lcmd", "vlb")
+
+
+@dataclass
+class LossConfig:
+    beta_dm: float = 0.005  # paper default
+    beta_cm: float = 1.0  # paper default; 0 = ablation "without L_CM"
+    p_drop: float = 0.2  # random dropping probability (paper default)
+    # "fixed": each token dropped with p_drop (paper "rand(r)"); "linear": ratio = t (paper "linear");
+    # "random_ratio": ratio ~ U(0,1) per image (paper "rand_drop"); "none": ablation "without RD"
+    drop_strategy: str = "fixed"
+    label_drop: float = 0.1  # labels set to null for classifier-free guidance (paper: 10%)
+    # "lcmd": L_DM uniformly weighted (paper §4.2); "vlb": the plain VLB weight -½ SNR'(t) (ablation)
+    weighting: str = "lcmd"
+    # Our choice (paper silent): L0 decodes the clean, undropped z_0 ~ q(z_0 | x) as in the VLB.
+    drop_in_l0: bool = False
+
+    def __post_init__(self):
+        if self.drop_strategy not in DROP_STRATEGIES:
+            raise ValueError(f"drop_strategy must be one of {DROP_STRATEGIES}, got {self.drop_strategy!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        for name in ("p_drop", "label_drop"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rand(shape, device, generator) -> torch.Tensor:
+    return torch.rand(shape, device=device, generator=generator)
+
+
+def sample_drop_mask(cfg: LossConfig, t: torch.Tensor, seq_len: int, generator=None) -> Optional[torch.Tensor]:
+    """Random dropping mask (B, M), True = replaced by [mask] (paper §4.4 and appendix strategies)."""
+    B = t.shape[0]
+    if cfg.drop_strategy == "none" or (cfg.drop_strategy == "fixed" and cfg.p_drop == 0.0):
+        return None
+    if cfg.drop_strategy == "fixed":
+        ratio = torch.full((B,), cfg.p_drop, device=t.device)
+    elif cfg.drop_strategy == "linear":
+        ratio = t
+    else:  # random_ratio
+        ratio = _rand((B,), t.device, generator)
+    return _rand((B, seq_len), t.device, generator) < ratio[:, None]
+
+
+def drop_labels(labels: Optional[torch.Tensor], null_class: int, p: float, generator=None):
+    if labels is None or p == 0.0:
+        return labels
+    drop = _rand(labels.shape, labels.device, generator) < p
+    return torch.where(drop, torch.full_like(labels, null_class), labels)
+
+
+def training_losses(
+    net: VQLCMDNetwork,
+    teacher: VQLCMDNetwork,
+    schedule: ShiftedCosineSchedule,
+    tokens: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    cfg: LossConfig,
+    *,
+    generator: Optional[torch.Generator] = None,
+    backend: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """One VQ-LCMD loss evaluation. tokens (B, M) int64, labels (B,) or None.
+
+    Returns ``loss`` (differentiable) and the detached terms ``l0``, ``l_dm``,
+    ``l_cm``, each summed over tokens (L_DM also over D) and averaged over the batch.
+    ``teacher`` is the EMA copy (θ̄, Ē); it only runs under no_grad.
+    """
+    B, M = tokens.shape
+    device = tokens.device
+    K = net.embedding.codebook_size
+    table = net.embedding.table()  # (K+1, D), row K = [mask]
+    tokens = tokens.long()
+
+    # 1. times, dropping, label dropping
+    t = _rand((B,), device, generator)
+    s = t * _rand((B,), device, generator)  # s ~ U(0, t)
+    alpha_t, sigma_t = schedule.alpha_sigma(t)
+    alpha_s, sigma_s = schedule.alpha_sigma(s)
+    drop_mask = sample_drop_mask(cfg, t, M, generator)
+    y = drop_labels(labels, net.denoiser.null_class, cfg.label_drop, generator)
+
+    # 2. student input z_t = α_t E[x'] + σ_t ε
+    z_t = ops.noise_embeddings(tokens, table, alpha_t, sigma_t, drop_mask=drop_mask, mask_index=K,
+                               generator=generator, backend=backend)  # (B, M, D)
+    # L0 input: z_0 ~ q(z_0 | x) at t_min, batched with z_t into one student forward
+    t0 = torch.zeros_like(t)
+    alpha_0, sigma_0 = schedule.alpha_sigma(t0)
+    z_0 = ops.noise_embeddings(tokens, table, alpha_0, sigma_0,
+                               drop_mask=drop_mask if cfg.drop_in_l0 else None, mask_index=K,
+                               generator=generator, backend=backend)
+    y2 = None if y is None else torch.cat([y, y])
+    logits = net.denoiser(torch.cat([z_t, z_0]), torch.cat([t, t0]), y2).float()  # (2B, M, K)
+    logits_t, logits_0 = logits[:B], logits[B:]
+
+    # 3-4. teacher: one DDIM step with the EMA table, then the EMA denoiser, no gradient
+    with torch.no_grad():
+        teacher_table = teacher.embedding.table()
+        z_s = ops.ddim_teacher_step(tokens, teacher_table, z_t.detach(), alpha_t, sigma_t, alpha_s, sigma_s,
+                                    backend=backend)
+        teacher_logits = teacher.denoiser(z_s.to(z_t.dtype), s, y).float()  # (B, M, K)
+
+    # 5-6. losses
+    target = table[tokens]  # (B, M, D): clean, undropped E[x]; gradient reaches E through it too
+    psi = ops.softmax_embedding_average(logits_t, table[:K], backend=backend)  # Ψ̂ (B, M, D)
+    sq_err = (target.float() - psi.float()).pow(2).sum(dim=(1, 2))  # (B,)
+    if cfg.weighting == "lcmd":
+        l_dm = sq_err.mean()
+        dm_term = cfg.beta_dm * l_dm
+    else:
+        # L_∞ = -½ E_t[SNR'(t) ‖E[x] − Ψ̂‖²], SNR' = SNR·λ'(t)  (paper eq. vlb)
+        lam = schedule.log_snr(t)
+        weight = -0.5 * torch.exp(lam) * schedule.dlog_snr_dt(t)
+        l_dm = sq_err.mean()
+        dm_term = (weight * sq_err).mean()
+    l0 = F.cross_entropy(logits_0.reshape(-1, K), tokens.reshape(-1), reduction="sum") / B
+    if cfg.beta_cm > 0:
+        l_cm = ops.categorical_kl(teacher_logits, logits_t, backend=backend).sum() / B
+    else:
+        l_cm = logits_t.new_zeros(())
+    loss = l0 + dm_term + cfg.beta_cm * l_cm
+    return {"loss": loss, "l0": l0.detach(), "l_dm": l_dm.detach(), "l_cm": l_cm.detach()}

@@ -1,0 +1,38 @@
+"""Exponential moving averages of a module in float32 (VQ-LCMD.md step 8).
+
+``θ̄ ← η θ̄ + (1-η) θ`` as one fused multi-tensor ``_foreach_lerp_`` over all
+parameters (θ̄ + (1-η)(θ - θ̄)); the shadow stays float32 whatever the dtype of the
+trained weights, so a 0.9999 decay does not vanish in bf16 rounding.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+
+class EMA:
+    def __init__(self, module: nn.Module, decay: float):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
+        self.decay = float(decay)
+        self.module = copy.deepcopy(module).float().eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, source: nn.Module) -> None:
+        shadow = list(self.module.parameters())
+        params = [p.detach() for p in source.parameters()]
+        if len(shadow) != len(params):
+            raise ValueError("EMA source has a different parameter list than its shadow")
+        params = [p if p.dtype == torch.float32 else p.float() for p in params]
+        torch._foreach_lerp_(shadow, params, 1.0 - self.decay)
+        for b_shadow, b in zip(self.module.buffers(), source.buffers()):
+            b_shadow.copy_(b)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "module": self.module.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = float(state["decay"])
+        self.module.load_state_dict(state["module"])

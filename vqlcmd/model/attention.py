@@ -1,0 +1,77 @@
+"""One attention function with a fast path and plain paths side by side (nanoGPT habit).
+
+Order under ``backend="auto"``: FlashAttention-3 (``flash_attn_interface``), then
+FlashAttention-2 (``flash_attn``), for CUDA fp16/bf16 inputs; then PyTorch SDPA
+(which itself picks flash / memory-efficient / math kernels); ``"math"`` is the
+explicit softmax(QKᵀ/√d)V, kept as the readable definition the others are tested against.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+try:  # FlashAttention-3 (Hopper)
+    from flash_attn_interface import flash_attn_func as _fa3_func
+except ImportError:
+    _fa3_func = None
+try:  # FlashAttention-2
+    from flash_attn import flash_attn_func as _fa2_func
+except ImportError:
+    _fa2_func = None
+
+ATTENTION_BACKENDS = ("auto", "flash3", "flash2", "sdpa", "math")
+
+
+def _flash_ok(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def attention_backend_for(q: torch.Tensor, dropout_p: float) -> str:
+    """The backend ``auto`` uses for these inputs (logged by the engine)."""
+    if _flash_ok(q):
+        if _fa3_func is not None and dropout_p == 0.0:  # FA3 has no dropout
+            return "flash3"
+        if _fa2_func is not None:
+            return "flash2"
+    return "sdpa"
+
+
+def math_attention(q, k, v, dropout_p: float = 0.0, generator: Optional[torch.Generator] = None):
+    # q, k, v: (B, H, M, hd)
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, M, M)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        keep = torch.rand(probs.shape, device=probs.device, generator=generator) >= dropout_p
+        probs = probs * keep / (1.0 - dropout_p)
+    return (probs @ v.float()).to(q.dtype)  # (B, H, M, hd)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+              backend: str = "auto") -> torch.Tensor:
+    """Bidirectional (unmasked) multi-head attention. q, k, v: (B, H, M, hd) -> (B, H, M, hd)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = attention_backend_for(q, dropout_p)
+    if backend in ("flash3", "flash2"):
+        fn = _fa3_func if backend == "flash3" else _fa2_func
+        if fn is None:
+            raise RuntimeError(f"attention backend {backend!r} requested but its package is not installed")
+        if not _flash_ok(q):
+            raise RuntimeError(f"{backend} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
+        # flash-attn takes (B, M, H, hd)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        if backend == "flash3":
+            if dropout_p:
+                raise RuntimeError("flash3 does not support attention dropout")
+            out = fn(qt, kt, vt, causal=False)
+            out = out[0] if isinstance(out, tuple) else out
+        else:
+            out = fn(qt, kt, vt, dropout_p=dropout_p, causal=False)
+        return out.transpose(1, 2)
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=False)
+    return math_attention(q, k, v, dropout_p)

@@ -1,0 +1,135 @@
+"""The denoiser f_θ(z_t, t, y) -> logits: a bidirectional Transformer with AdaLN.
+
+The model is only a denoiser (DiT habit): all diffusion math lives in
+``vqlcmd.diffusion`` and takes the model as an argument. Architecture as in
+VQ-LCMD.md ("Denoiser"): linear D -> width, fixed sinusoidal positions, a time
+embedding (sinusoidal features -> MLP) plus a class embedding with a null row,
+blocks whose two LayerNorms are AdaLN ``(1 + a) LN(h) + b``, attention dropout,
+a final AdaLN and a linear head to K logits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import attention
+
+
+@dataclass
+class DenoiserConfig:
+    codebook_size: int = 1024  # K: logits per token
+    embed_dim: int = 256  # D: dimension of the token embeddings z lives in
+    seq_len: int = 256  # M: tokens per image (16x16)
+    num_classes: int = 0  # C; 0 = unconditional. Row C of the class table is the null class.
+    width: int = 512
+    depth: int = 15
+    heads: int = 8
+    mlp_ratio: float = 4.0
+    attn_dropout: float = 0.1
+    time_features: int = 256
+    attention_backend: str = "auto"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sinusoidal_features(x: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Transformer sinusoids of a scalar per row. x: (N,) -> (N, dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    args = x.float()[:, None] * freqs[None]  # (N, half)
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class AdaLayerNorm(nn.Module):
+    """``(1 + a) LayerNorm(h) + b`` with (a, b) a linear map of the condition (zero-initialised)."""
+
+    def __init__(self, width: int, cond_dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width, elementwise_affine=False)
+        self.to_ab = nn.Linear(cond_dim, 2 * width)
+        nn.init.zeros_(self.to_ab.weight)
+        nn.init.zeros_(self.to_ab.bias)
+
+    def forward(self, h: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        a, b = self.to_ab(cond).unsqueeze(1).chunk(2, dim=-1)  # (B, 1, width) each
+        return (1 + a) * self.norm(h) + b
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DenoiserConfig):
+        super().__init__()
+        w = cfg.width
+        self.heads = cfg.heads
+        self.attn_dropout = cfg.attn_dropout
+        self.attention_backend = cfg.attention_backend
+        self.norm1 = AdaLayerNorm(w, w)
+        self.qkv = nn.Linear(w, 3 * w)
+        self.proj = nn.Linear(w, w)
+        self.norm2 = AdaLayerNorm(w, w)
+        hidden = int(cfg.mlp_ratio * w)
+        self.mlp = nn.Sequential(nn.Linear(w, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, w))
+
+    def forward(self, h: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        B, M, W = h.shape
+        q, k, v = self.qkv(self.norm1(h, cond)).view(B, M, 3, self.heads, W // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.attn_dropout if self.training else 0.0
+        a = attention(q, k, v, dropout_p=p, backend=self.attention_backend)  # (B, H, M, hd)
+        h = h + self.proj(a.transpose(1, 2).reshape(B, M, W))
+        return h + self.mlp(self.norm2(h, cond))  # (B, M, W)
+
+
+class Denoiser(nn.Module):
+    """f_θ(z, t, y): z (B, M, D) float, t (B,) in [0, 1], y (B,) long or None -> logits (B, M, K)."""
+
+    def __init__(self, cfg: DenoiserConfig):
+        super().__init__()
+        if cfg.width % cfg.heads:
+            raise ValueError(f"width {cfg.width} must be divisible by heads {cfg.heads}")
+        self.cfg = cfg
+        w = cfg.width
+        self.in_proj = nn.Linear(cfg.embed_dim, w)
+        self.register_buffer("pos", sinusoidal_features(torch.arange(cfg.seq_len), w), persistent=False)
+        self.time_mlp = nn.Sequential(nn.Linear(cfg.time_features, w), nn.SiLU(), nn.Linear(w, w))
+        self.class_emb = nn.Embedding(cfg.num_classes + 1, w) if cfg.num_classes > 0 else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.final_norm = AdaLayerNorm(w, w)
+        self.head = nn.Linear(w, cfg.codebook_size)
+
+    @property
+    def null_class(self) -> int:
+        return self.cfg.num_classes
+
+    def condition(self, t: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
+        # t in [0, 1] scaled to [0, 1000] so the sinusoids resolve small steps (as DDPM-style models do)
+        cond = self.time_mlp(sinusoidal_features(1000.0 * t, self.cfg.time_features))  # (B, W)
+        if self.class_emb is not None:
+            if y is None:
+                y = torch.full_like(t, self.null_class, dtype=torch.long)
+            cond = cond + self.class_emb(y)
+        return F.silu(cond)
+
+    def forward(self, z: torch.Tensor, t: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, M, D = z.shape
+        if D != self.cfg.embed_dim or M > self.cfg.seq_len:
+            raise ValueError(
+                f"z must be (B, M<={self.cfg.seq_len}, {self.cfg.embed_dim}), got {tuple(z.shape)}"
+            )
+        if t.shape != (B,):
+            raise ValueError(f"t must be (B,) = ({B},), got {tuple(t.shape)}")
+        if y is not None and self.class_emb is not None and (y.min() < 0 or y.max() > self.null_class):
+            raise IndexError(f"class labels must be in [0, {self.null_class}] ({self.null_class} = null)")
+        cond = self.condition(t, y).to(z.dtype)  # (B, W)
+        h = self.in_proj(z) + self.pos[:M].to(z.dtype)  # (B, M, W)
+        for block in self.blocks:
+            h = block(h, cond)
+        return self.head(self.final_norm(h, cond))  # (B, M, K)
+
+
+def num_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

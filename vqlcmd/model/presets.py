@@ -1,0 +1,29 @@
+"""Size presets: one-line factories (DiT habit). Paper sizes from VQ-LCMD.md ("Denoiser")."""
+from __future__ import annotations
+
+from .denoiser import Denoiser, DenoiserConfig
+
+PAPER_PARAMETERS = {"ffhq-56m": 56e6, "imagenet-246m": 246e6}
+
+PRESETS = {
+    # paper, unconditional (FFHQ / LSUN): 15 layers, 8 heads, width 512
+    "ffhq-56m": lambda **kw: DenoiserConfig(**{**dict(width=512, depth=15, heads=8, num_classes=0), **kw}),
+    # paper, ImageNet class-conditional: 24 layers, 16 heads, width 768
+    "imagenet-246m": lambda **kw: DenoiserConfig(**{**dict(width=768, depth=24, heads=16, num_classes=1000), **kw}),
+    # embedded digits data set (~1M parameters; VQ-LCMD.md feasibility notes)
+    "digits-1m": lambda **kw: DenoiserConfig(**{**dict(width=128, depth=4, heads=4, codebook_size=128, embed_dim=32,
+                                                        seq_len=64, num_classes=10), **kw}),
+    # unit tests
+    "tiny": lambda **kw: DenoiserConfig(**{**dict(width=32, depth=2, heads=2, codebook_size=16, embed_dim=8,
+                                                   seq_len=16, num_classes=4, time_features=32), **kw}),
+}
+
+
+def preset_config(name: str, **overrides) -> DenoiserConfig:
+    if name not in PRESETS:
+        raise KeyError(f"unknown denoiser preset {name!r}; known presets: {sorted(PRESETS)}")
+    return PRESETS[name](**overrides)
+
+
+def build_denoiser(name: str, **overrides) -> Denoiser:
+    return Denoiser(preset_config(name, **overrides))

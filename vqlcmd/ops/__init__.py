@@ -1,0 +1,130 @@
+"""Public API of the fused ops of VQ-LCMD.
+
+Each function takes ``backend="auto" | "reference" | "compiled" | "triton"``.
+``reference`` is plain PyTorch and always available; ``compiled`` is the C++/CUDA
+extension ``vqlcmd._C`` (``csrc/``); ``triton`` is ``vqlcmd.kernels``. Shapes and
+semantics are fixed by this module's docstrings; every backend implements the
+same contract and is tested against ``reference``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _checks, reference
+from ._dispatch import BACKENDS, available_backends, register, resolve, why_not
+
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "why_not",
+    "softmax_embedding_average",
+    "guided_embedding_average",
+    "categorical_kl",
+    "noise_embeddings",
+    "ddim_teacher_step",
+]
+
+OPS = ("softmax_embedding_average", "guided_embedding_average", "categorical_kl", "noise_embeddings",
+       "ddim_teacher_step")
+for _op in OPS:
+    register(_op, "reference", getattr(reference, _op), priority=lambda device: -1)
+
+
+def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``softmax(logits) @ table``: logits (..., K), table (K, D) -> (..., D).
+
+    The predicted embedding Ψ̂ of VQ-LCMD.md. Differentiable in both inputs;
+    float32 math; the result has the promoted dtype of the inputs.
+    """
+    _checks.check_average_inputs(logits, table)
+    return resolve("softmax_embedding_average", backend, logits, table)(logits, table)
+
+
+def guided_embedding_average(
+    cond_logits: torch.Tensor,
+    uncond_logits: torch.Tensor,
+    table: torch.Tensor,
+    guidance_scale: float,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Embedding average under the classifier-free-guided distribution.
+
+    ``softmax((1+ω) log_softmax(cond) - ω log_softmax(uncond)) @ table``
+    (VQ-LCMD.md, guidance); ω = 0 is :func:`softmax_embedding_average` of ``cond``.
+    Used by the samplers, so no gradient is promised.
+    """
+    _checks.check_average_inputs(cond_logits, table)
+    _checks.check_logits_pair(cond_logits, uncond_logits)
+    if guidance_scale < 0:
+        raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
+    fn = resolve("guided_embedding_average", backend, cond_logits, table)
+    return fn(cond_logits, uncond_logits, table, float(guidance_scale))
+
+
+def categorical_kl(
+    teacher_logits: torch.Tensor, student_logits: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """Per-row ``KL(softmax(teacher) || softmax(student))``: (..., K), (..., K) -> (...), float32.
+
+    The consistency-matching term L_CM of VQ-LCMD.md. The teacher is a fixed
+    target: the gradient flows to ``student_logits`` only.
+    """
+    _checks.check_logits_pair(teacher_logits, student_logits)
+    return resolve("categorical_kl", backend, teacher_logits, student_logits)(teacher_logits, student_logits)
+
+
+def noise_embeddings(
+    tokens: torch.Tensor,
+    table: torch.Tensor,
+    alpha: torch.Tensor,
+    sigma: torch.Tensor,
+    *,
+    noise: Optional[torch.Tensor] = None,
+    drop_mask: Optional[torch.Tensor] = None,
+    mask_index: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Forward process with random dropping: tokens (B, M), table (V, D) -> z (B, M, D).
+
+    ``z[b,i] = alpha[b] * table[mask_index if drop_mask[b,i] else tokens[b,i]] + sigma[b] * noise[b,i]``.
+    When ``noise`` is None it is drawn from ``generator`` (backends draw with
+    their own generator algorithm, so the numbers differ between backends).
+    Differentiable in ``table``; the result has ``table``'s dtype.
+    """
+    _checks.check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index)
+    fn = resolve("noise_embeddings", backend, table, tokens)
+    return fn(tokens, table, alpha, sigma, noise=noise, drop_mask=drop_mask, mask_index=mask_index,
+              generator=generator)
+
+
+def ddim_teacher_step(
+    tokens: torch.Tensor,
+    table: torch.Tensor,
+    z_t: torch.Tensor,
+    alpha_t: torch.Tensor,
+    sigma_t: torch.Tensor,
+    alpha_s: torch.Tensor,
+    sigma_s: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One DDIM step toward the EMA embeddings: ``z_s = α_s e + (σ_s/σ_t)(z_t − α_t e)``, ``e = table[tokens]``.
+
+    tokens (B, M), table (V, D), z_t (B, M, D), α/σ (B,) -> (B, M, D) in ``z_t``'s dtype. No gradient
+    (the teacher is a fixed target).
+    """
+    _checks.check_ddim_inputs(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
+    fn = resolve("ddim_teacher_step", backend, z_t, tokens)
+    return fn(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
+
+
+def _register_optional_backends() -> None:
+    """Compiled (csrc/) and Triton (kernels/) backends register themselves when importable."""
+    from . import _compiled, _triton  # noqa: F401  (import registers)
+
+
+_register_optional_backends()

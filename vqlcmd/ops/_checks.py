@@ -1,0 +1,107 @@
+"""Input validation shared by every backend: errors name the argument and the problem."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_float(name: str, x: torch.Tensor, *, min_dim: int = 1) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(x.shape)}")
+
+
+def check_shape(name: str, x: torch.Tensor, shape: Sequence[int]) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all inputs must be on one device, got {listing}")
+
+
+def check_tokens(name: str, tokens: torch.Tensor, num_rows: int, *, ndim: int = 2) -> None:
+    """Token ids index a table of ``num_rows`` rows; out-of-range ids are errors, not crashes."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must be int64 (or int32) token ids, got {tokens.dtype}")
+    if tokens.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims (B, M), got shape {tuple(tokens.shape)}")
+    if tokens.numel():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= num_rows:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{name} holds id {bad}, outside the table's rows [0, {num_rows})")
+
+
+def check_per_batch(name: str, x: torch.Tensor, batch: int) -> None:
+    check_float(name, x)
+    check_shape(name, x, (batch,))
+
+
+def check_logits_pair(teacher: torch.Tensor, student: torch.Tensor) -> None:
+    check_float("teacher_logits", teacher)
+    check_float("student_logits", student)
+    if teacher.shape != student.shape:
+        raise ValueError(
+            f"teacher_logits {tuple(teacher.shape)} and student_logits {tuple(student.shape)} must have one shape"
+        )
+    check_same_device(teacher_logits=teacher, student_logits=student)
+
+
+def check_average_inputs(logits: torch.Tensor, table: torch.Tensor) -> None:
+    check_float("logits", logits)
+    check_float("table", table, min_dim=2)
+    if table.dim() != 2:
+        raise ValueError(f"table must be (K, D), got shape {tuple(table.shape)}")
+    if logits.shape[-1] != table.shape[0]:
+        raise ValueError(
+            f"logits have K={logits.shape[-1]} classes in the last dim but table has {table.shape[0]} rows"
+        )
+    check_same_device(logits=logits, table=table)
+
+
+def check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index) -> None:
+    check_float("table", table, min_dim=2)
+    if table.dim() != 2:
+        raise ValueError(f"table must be (V, D), got shape {tuple(table.shape)}")
+    check_tokens("tokens", tokens, table.shape[0])
+    B, M = tokens.shape
+    check_per_batch("alpha", alpha, B)
+    check_per_batch("sigma", sigma, B)
+    if noise is not None:
+        check_float("noise", noise)
+        check_shape("noise", noise, (B, M, table.shape[1]))
+    if drop_mask is not None:
+        if drop_mask.dtype != torch.bool:
+            raise TypeError(f"drop_mask must be bool, got {drop_mask.dtype}")
+        check_shape("drop_mask", drop_mask, (B, M))
+        if mask_index is None:
+            raise ValueError("drop_mask given without mask_index (the table row of the [mask] embedding)")
+        if not 0 <= int(mask_index) < table.shape[0]:
+            raise IndexError(f"mask_index {mask_index} outside the table's rows [0, {table.shape[0]})")
+    check_same_device(tokens=tokens, table=table, alpha=alpha, sigma=sigma, noise=noise, drop_mask=drop_mask)
+
+
+def check_ddim_inputs(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s) -> None:
+    check_float("table", table, min_dim=2)
+    if table.dim() != 2:
+        raise ValueError(f"table must be (V, D), got shape {tuple(table.shape)}")
+    check_tokens("tokens", tokens, table.shape[0])
+    B, M = tokens.shape
+    check_float("z_t", z_t)
+    check_shape("z_t", z_t, (B, M, table.shape[1]))
+    for name, x in (("alpha_t", alpha_t), ("sigma_t", sigma_t), ("alpha_s", alpha_s), ("sigma_s", sigma_s)):
+        check_per_batch(name, x, B)
+    check_same_device(tokens=tokens, table=table, z_t=z_t, alpha_t=alpha_t, sigma_t=sigma_t,
+                      alpha_s=alpha_s, sigma_s=sigma_s)

@@ -1,0 +1,93 @@
+"""Backend registry for the fused ops (DESIGN.md, "One op, several implementations").
+
+Each op has one public function in ``vqlcmd.ops``; each backend registers an
+implementation plus two questions it can answer:
+
+- ``unavailable()``: why the backend cannot run at all on this install
+  (extension not built, Triton missing), or ``None``;
+- ``unsupported(*tensors)``: why it cannot serve these particular inputs
+  (wrong device, dtype), or ``None``.
+
+``auto`` walks the backends in priority order and takes the first that can
+serve; an explicit backend that cannot serve raises with the reason, as
+xformers' dispatcher does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+BACKENDS = ("reference", "compiled", "triton")
+
+
+@dataclass
+class _Impl:
+    fn: Callable
+    unavailable: Callable[[], Optional[str]]
+    unsupported: Callable[..., Optional[str]]
+    # higher runs first under backend="auto"; per device type
+    priority: Callable[[torch.device], int]
+
+
+_REGISTRY: dict[str, dict[str, _Impl]] = {}
+
+
+def _never(*_args) -> Optional[str]:
+    return None
+
+
+def register(
+    op: str,
+    backend: str,
+    fn: Callable,
+    *,
+    unavailable: Callable[[], Optional[str]] = _never,
+    unsupported: Callable[..., Optional[str]] = _never,
+    priority: Callable[[torch.device], int] = lambda device: 0,
+) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _REGISTRY.setdefault(op, {})[backend] = _Impl(fn, unavailable, unsupported, priority)
+
+
+def _impls(op: str) -> dict[str, _Impl]:
+    if op not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r}; known ops: {sorted(_REGISTRY)}")
+    return _REGISTRY[op]
+
+
+def available_backends(op: str) -> list[str]:
+    """Backends of ``op`` that can run on this install (built and importable)."""
+    return [name for name, impl in _impls(op).items() if impl.unavailable() is None]
+
+
+def why_not(op: str, backend: str, *tensors: torch.Tensor) -> Optional[str]:
+    """Why ``backend`` cannot serve ``op`` for these inputs, or ``None`` if it can."""
+    impls = _impls(op)
+    if backend not in impls:
+        return f"{op} has no {backend!r} backend (it has: {', '.join(impls)})"
+    impl = impls[backend]
+    reason = impl.unavailable()
+    if reason is None:
+        reason = impl.unsupported(*tensors)
+    return reason
+
+
+def resolve(op: str, backend: str, *tensors: torch.Tensor) -> Callable:
+    """The implementation of ``op`` to run for ``backend`` on these inputs."""
+    impls = _impls(op)
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        reason = why_not(op, backend, *tensors)
+        if reason is not None:
+            raise RuntimeError(f"{op}: backend {backend!r} cannot serve these inputs: {reason}")
+        return impls[backend].fn
+    device = tensors[0].device
+    ranked = sorted(impls.items(), key=lambda kv: -kv[1].priority(device))
+    for name, impl in ranked:
+        if why_not(op, name, *tensors) is None:
+            return impl.fn
+    raise RuntimeError(f"{op}: no backend can serve these inputs")  # reference always can

@@ -1,0 +1,91 @@
+"""Reference implementations: plain PyTorch, float32 math, the source of truth.
+
+Every other backend is tested against these. Inputs are validated by the public
+functions in ``vqlcmd.ops`` before any backend runs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def math_dtype(*xs: torch.Tensor) -> torch.dtype:
+    """float32 math for fp32/bf16/fp16 inputs; float64 stays float64 (gradcheck)."""
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def _per_batch(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype)[:, None, None]  # (B, 1, 1)
+
+
+def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    dt = math_dtype(logits, table)
+    probs = torch.softmax(logits.to(dt), dim=-1)  # (..., K)
+    out = probs @ table.to(dt)  # (..., D)
+    return out.to(torch.promote_types(logits.dtype, table.dtype))
+
+
+def guided_log_probs(cond_logits: torch.Tensor, uncond_logits: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance on log-probabilities (VQ-LCMD.md, eq. cfg), renormalised."""
+    dt = math_dtype(cond_logits, uncond_logits)
+    lc = torch.log_softmax(cond_logits.to(dt), dim=-1)
+    lu = torch.log_softmax(uncond_logits.to(dt), dim=-1)
+    return torch.log_softmax((1.0 + guidance_scale) * lc - guidance_scale * lu, dim=-1)
+
+
+def guided_embedding_average(
+    cond_logits: torch.Tensor, uncond_logits: torch.Tensor, table: torch.Tensor, guidance_scale: float
+) -> torch.Tensor:
+    guided = guided_log_probs(cond_logits, uncond_logits, guidance_scale)  # (..., K), normalised
+    out = guided.exp() @ table.to(guided.dtype)
+    return out.to(torch.promote_types(cond_logits.dtype, table.dtype))
+
+
+def categorical_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    dt = math_dtype(teacher_logits, student_logits)
+    log_p = torch.log_softmax(teacher_logits.detach().to(dt), dim=-1)  # teacher: fixed target
+    log_q = torch.log_softmax(student_logits.to(dt), dim=-1)
+    p = log_p.exp()
+    # p = 0 rows contribute 0 (0 log 0 = 0), also where log_p = -inf.
+    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+
+
+def noise_embeddings(
+    tokens: torch.Tensor,
+    table: torch.Tensor,
+    alpha: torch.Tensor,
+    sigma: torch.Tensor,
+    *,
+    noise: Optional[torch.Tensor] = None,
+    drop_mask: Optional[torch.Tensor] = None,
+    mask_index: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    dt = math_dtype(table, alpha, sigma)
+    ids = tokens.long()
+    if drop_mask is not None:
+        ids = torch.where(drop_mask, torch.full_like(ids, int(mask_index)), ids)
+    e = F.embedding(ids, table).to(dt)  # (B, M, D)
+    if noise is None:
+        noise = torch.randn(e.shape, generator=generator, device=e.device, dtype=torch.float32)
+    z = _per_batch(alpha, dt) * e + _per_batch(sigma, dt) * noise.to(dt)
+    return z.to(table.dtype)
+
+
+@torch.no_grad()
+def ddim_teacher_step(
+    tokens: torch.Tensor,
+    table: torch.Tensor,
+    z_t: torch.Tensor,
+    alpha_t: torch.Tensor,
+    sigma_t: torch.Tensor,
+    alpha_s: torch.Tensor,
+    sigma_s: torch.Tensor,
+) -> torch.Tensor:
+    dt = math_dtype(table, z_t)
+    e = F.embedding(tokens.long(), table).to(dt)  # (B, M, D)
+    ratio = _per_batch(sigma_s, dt) / _per_batch(sigma_t, dt)
+    z_s = _per_batch(alpha_s, dt) * e + ratio * (z_t.to(dt) - _per_batch(alpha_t, dt) * e)
+    return z_s.to(z_t.dtype)

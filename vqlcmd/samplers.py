@@ -1,0 +1,120 @@
+"""Ancestral and DDIM samplers with classifier-free guidance (VQ-LCMD.md "Sampling", Algorithm 2).
+
+Grid 0 = t_0 < … < t_N = 1, z_1 ~ N(0, I); each step predicts Ψ̂ from the
+(guided) token distribution and moves z_t -> z_s; the final tokens are drawn from
+the guided P(x | z_0; 0). Conditional and unconditional logits come from one
+batched forward.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from . import ops
+from .model import Denoiser
+from .ops.reference import guided_log_probs
+from .schedule import ShiftedCosineSchedule
+
+SAMPLERS = ("ancestral", "ddim")
+
+
+def _logits_pair(denoiser: Callable, z, t, y, null_class: int, guided: bool):
+    """(cond_logits, uncond_logits or None) from one batched forward."""
+    if not guided:
+        return denoiser(z, t, y).float(), None
+    B = z.shape[0]
+    logits = denoiser(torch.cat([z, z]), torch.cat([t, t]), torch.cat([y, torch.full_like(y, null_class)])).float()
+    return logits[:B], logits[B:]
+
+
+def ancestral_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s, generator=None):
+    """z_s ~ N(μ̂, σ²(s,t) I), μ̂ = c_z z_t + c_x Ψ̂ (closed-form posterior q(z_s | z_t, x=Ψ̂))."""
+    c_z, c_x, var = schedule.posterior(t, s)
+    eps = torch.randn(z_t.shape, device=z_t.device, dtype=torch.float32, generator=generator)
+    return c_z * z_t + c_x * psi + var.sqrt() * eps
+
+
+def ddim_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s):
+    """z_s = α_s Ψ̂ + (σ_s/σ_t)(z_t − α_t Ψ̂)."""
+    alpha_t, sigma_t = schedule.alpha_sigma(t)
+    alpha_s, sigma_s = schedule.alpha_sigma(s)
+    return alpha_s * psi + (sigma_s / sigma_t) * (z_t - alpha_t * psi)
+
+
+@torch.no_grad()
+def sample_tokens(
+    denoiser: Denoiser,
+    table: torch.Tensor,
+    schedule: ShiftedCosineSchedule,
+    *,
+    num_samples: Optional[int] = None,
+    class_labels: Optional[torch.Tensor] = None,
+    num_steps: int = 50,
+    sampler: str = "ancestral",
+    guidance_scale: float = 0.0,
+    final: str = "sample",
+    generator: Optional[torch.Generator] = None,
+    seq_len: Optional[int] = None,
+    backend: str = "auto",
+    progress: bool = False,
+) -> torch.Tensor:
+    """Draw token grids (B, M) int64. ``table`` is the (K+1, D) or (K, D) embedding table.
+
+    Class-conditional models take ``class_labels`` (B,); unconditional ones ``num_samples``.
+    ``guidance_scale`` ω ≥ 0 applies classifier-free guidance (needs a conditional model).
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    if final not in ("sample", "argmax"):
+        raise ValueError(f"final must be 'sample' or 'argmax', got {final!r}")
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    cfg = denoiser.cfg
+    K, D = cfg.codebook_size, cfg.embed_dim
+    M = seq_len or cfg.seq_len
+    device = table.device
+    if class_labels is not None:
+        if cfg.num_classes == 0:
+            raise ValueError("class_labels given to an unconditional model")
+        y = class_labels.to(device=device, dtype=torch.long)
+        B = y.shape[0]
+    else:
+        if num_samples is None:
+            raise ValueError("give class_labels (conditional) or num_samples (unconditional)")
+        B = num_samples
+        y = None if cfg.num_classes == 0 else torch.full((B,), cfg.num_classes, device=device, dtype=torch.long)
+    guided = guidance_scale > 0
+    if guided and (class_labels is None or cfg.num_classes == 0):
+        raise ValueError("guidance_scale > 0 needs a class-conditional model and class_labels")
+    codebook = table[:K].float()  # (K, D)
+
+    grid = torch.linspace(0.0, 1.0, num_steps + 1, device=device)
+    z = torch.randn((B, M, D), device=device, dtype=torch.float32, generator=generator)
+    steps = range(num_steps, 0, -1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc=f"{sampler} sampling", leave=False)
+    for n in steps:
+        t = grid[n].expand(B)
+        s = grid[n - 1].expand(B)
+        cond, uncond = _logits_pair(denoiser, z, t, y, cfg.num_classes, guided)
+        if guided:
+            psi = ops.guided_embedding_average(cond, uncond, codebook, guidance_scale, backend=backend)
+        else:
+            psi = ops.softmax_embedding_average(cond, codebook, backend=backend)
+        psi = psi.float()
+        tb, sb = t[:, None, None], s[:, None, None]
+        if sampler == "ancestral":
+            z = ancestral_step(z, psi, schedule, tb, sb, generator)
+        else:
+            z = ddim_step(z, psi, schedule, tb, sb)
+
+    t0 = grid[0].expand(B)
+    cond, uncond = _logits_pair(denoiser, z, t0, y, cfg.num_classes, guided)
+    log_p = guided_log_probs(cond, uncond, guidance_scale) if guided else torch.log_softmax(cond, dim=-1)
+    if final == "argmax":
+        return log_p.argmax(dim=-1)
+    flat = log_p.reshape(-1, K).exp()
+    return torch.multinomial(flat, 1, generator=generator).view(B, M)
