@@ -1,1 +1,6 @@
-"""Triton kernels, installed as ``vqlcmd.kernels`` (see setup.py for why not ``kernels``)."""
+"""Triton kernels, installed as ``vqlcmd.kernels`` (see setup.py for why not ``kernels``).
+
+One module per op. Whether the kernels run compiled or in Triton's interpreter is fixed when
+they are first imported (``TRITON_INTERPRET=1`` then means the interpreter), so import them
+lazily, after the environment is set; ``vqlcmd.ops._triton`` does.
+"""

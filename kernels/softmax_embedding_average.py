@@ -1,0 +1,230 @@
+"""Triton kernels for Ψ̂ = softmax(logits) @ table (VQ-LCMD.md, training step 5 and sampling).
+
+``softmax(logits) @ table`` is attention with precomputed scores, so it is computed the way
+FlashAttention computes attention: the forward streams K in tiles with an online softmax
+(running max and sum) and ``tl.dot`` against table tiles, so the (N, K) probabilities never
+exist in memory; it saves only the per-row log-sum-exp. The backward recomputes P from it:
+
+    dlogits = P ∘ (dY·tableᵀ − delta),  delta = rowsum(dY ∘ Y)  (minus dLSE when LSE has a gradient)
+    dtable  = Pᵀ·dY, summed over row splits (atomics, or per-split partials when deterministic)
+
+Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
+Under TRITON_INTERPRET=1 (the CPU tests) the interpreter keeps bfloat16 as raw 16-bit
+patterns, so every tile is converted to float32 right after loading and DOT_DTYPE, the
+``tl.dot`` operand dtype, is float32 there; on a GPU it is the inputs' 16-bit dtype so that
+bf16/fp16 run on tensor cores (fp32 inputs use tf32x3, which keeps fp32 accuracy).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import autotuned, blocks, dot_dtype, interpreted, num_warps, splits
+
+
+@triton.jit
+def _forward_kernel(
+    logits_ptr, uncond_ptr, table_ptr, out_ptr, lse_ptr,
+    N, K, D, guidance,
+    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows past N re-read row N-1 and are never stored: no fully masked (-inf) softmax rows.
+    row_off = tl.minimum(rows, N - 1).to(tl.int64) * K
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = ks < K
+        s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
+        if GUIDED:
+            # (1+ω) log P(·|y) − ω log P(·|∅) differs from (1+ω) c − ω u by a per-row constant,
+            # which the renormalising softmax removes (VQ-LCMD.md, classifier-free guidance).
+            u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
+            s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
+        s = tl.where(k_in[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A tile of -inf logits (masked classes) leaves m_new = -inf; shifting by 0 keeps exp() NaN-free.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & (cols < D)[None, :],
+                    other=0.0)
+        acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc * alpha[:, None], input_precision="tf32x3")
+        m_i = m_new
+    out = acc / l_i[:, None]
+    row_in = rows < N
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & (cols < D)[None, :])
+    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=row_in & (pid_d == 0))
+
+
+@triton.jit
+def _delta_kernel(grad_out_ptr, out_ptr, grad_lse_ptr, delta_ptr, N, D,
+                  HAS_GRAD_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = rows < N
+    row_off = rows.to(tl.int64) * D
+    delta = tl.zeros([BLOCK_M], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        mask = row_in[:, None] & (ds < D)[None, :]
+        dy = tl.load(grad_out_ptr + row_off[:, None] + ds[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(out_ptr + row_off[:, None] + ds[None, :], mask=mask, other=0.0).to(tl.float32)
+        delta += tl.sum(dy * y, 1)
+    if HAS_GRAD_LSE:
+        # d lse / d logits = P, so a gradient on lse folds into the same P ∘ (· − delta) term.
+        delta -= tl.load(grad_lse_ptr + rows, mask=row_in, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + rows, delta, mask=row_in)
+
+
+@triton.jit
+def _grad_logits_kernel(
+    logits_ptr, table_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_logits_ptr,
+    N, K, D,
+    DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_in = ks < K
+    dy_t = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # dY · tableᵀ for this tile
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        d_in = ds < D
+        dy = tl.load(grad_out_ptr + safe_rows[:, None] * D + ds[None, :], mask=d_in[None, :], other=0.0)
+        t = tl.load(table_ptr + ks[:, None] * D + ds[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
+        dy_t = tl.dot(dy.to(DOT_DTYPE), tl.trans(t.to(DOT_DTYPE)), dy_t, input_precision="tf32x3")
+    s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + safe_rows)
+    delta = tl.load(delta_ptr + safe_rows)
+    p = tl.exp(s - lse[:, None])
+    grad = p * (dy_t - delta[:, None])
+    mask = (rows < N)[:, None] & k_in[None, :]
+    tl.store(grad_logits_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], grad, mask=mask)
+
+
+@triton.jit
+def _grad_table_kernel(
+    logits_ptr, grad_out_ptr, lse_ptr, dst_ptr,
+    N, K, D, rows_per_split,
+    ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_k = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    k_in = ks < K
+    d_in = ds < D
+    acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)  # Pᵀ·dY over this split's rows
+    start = pid_s * rows_per_split
+    end = tl.minimum(start + rows_per_split, N)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        live = rows < end
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + safe_rows)
+        p = tl.where(live[:, None] & k_in[None, :], tl.exp(s - lse[:, None]), 0.0)
+        dy = tl.load(grad_out_ptr + safe_rows[:, None] * D + ds[None, :], mask=live[:, None] & d_in[None, :],
+                     other=0.0)
+        acc = tl.dot(tl.trans(p.to(DOT_DTYPE)), dy.to(DOT_DTYPE), acc, input_precision="tf32x3")
+    offs = ks[:, None] * D + ds[None, :]
+    mask = k_in[:, None] & d_in[None, :]
+    if ATOMIC:
+        tl.atomic_add(dst_ptr + offs, acc, mask=mask)
+    else:
+        tl.store(dst_ptr + pid_s * K * D + offs, acc, mask=mask)
+
+
+_forward_tuned = autotuned(_forward_kernel, "forward")
+_grad_logits_tuned = autotuned(_grad_logits_kernel, "grad_logits")
+_grad_table_tuned = autotuned(_grad_table_kernel, "grad_table", reset_to_zero=["dst_ptr"])
+
+
+def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Tensor] = None,
+            guidance: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, K), table (K, D) [, uncond (N, K), ω] -> out (N, D) in the promoted dtype, lse (N,) float32."""
+    N, K = logits.shape
+    D = table.shape[1]
+    out_dtype = torch.promote_types(logits.dtype, table.dtype)
+    if uncond is not None:
+        out_dtype = torch.promote_types(out_dtype, uncond.dtype)
+    out = torch.empty((N, D), device=logits.device, dtype=out_dtype)
+    lse = torch.empty((N,), device=logits.device, dtype=torch.float32)
+    if N == 0:
+        return out, lse
+    guided = uncond is not None
+    logits, table = logits.contiguous(), table.contiguous()
+    uncond = uncond.contiguous() if guided else logits  # unread when not guided
+    args = (logits, uncond, table, out, lse, N, K, D, float(guidance))
+    const = dict(GUIDED=guided, DOT_DTYPE=dot_dtype(logits, table))
+    blk = blocks("forward", N, K, D, logits.device)
+    if blk is None:
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"]))  # noqa: E731
+        _forward_tuned[grid](*args, **const)
+    else:
+        grid = (triton.cdiv(N, blk["BLOCK_M"]), triton.cdiv(D, blk["BLOCK_D"]))
+        _forward_kernel[grid](*args, **const, **blk, num_warps=num_warps(blk))
+    return out, lse
+
+
+def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logits: torch.Tensor,
+             table: torch.Tensor, grad_lse: Optional[torch.Tensor] = None, *, need_logits: bool = True,
+             need_table: bool = True, deterministic: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients of ``forward`` w.r.t. logits (N, K) and table (K, D), in their dtypes (None if not needed)."""
+    N, K = logits.shape
+    D = table.shape[1]
+    logits, table = logits.contiguous(), table.contiguous()
+    grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
+    dot = dot_dtype(logits, table)
+    dev = logits.device
+    grad_logits = grad_table = None
+    if need_logits:
+        grad_logits = torch.empty_like(logits)
+        if N:
+            delta = torch.empty((N,), device=dev, dtype=torch.float32)
+            has_glse = grad_lse is not None
+            blk = blocks("delta", N, K, D, dev)
+            _delta_kernel[(triton.cdiv(N, blk["BLOCK_M"]),)](
+                grad_out, out, grad_lse.contiguous() if has_glse else lse, delta, N, D,
+                HAS_GRAD_LSE=has_glse, **blk)
+            args = (logits, table, grad_out, lse, delta, grad_logits, N, K, D)
+            blk = blocks("grad_logits", N, K, D, dev)
+            if blk is None:
+                grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+                _grad_logits_tuned[grid](*args, DOT_DTYPE=dot)
+            else:
+                grid = (triton.cdiv(N, blk["BLOCK_M"]), triton.cdiv(K, blk["BLOCK_K"]))
+                _grad_logits_kernel[grid](*args, DOT_DTYPE=dot, **blk, num_warps=num_warps(blk))
+    if need_table:
+        n_split = splits(N)
+        atomic = not deterministic and n_split > 1
+        # atomics add into one float32 (K, D) buffer; otherwise each split writes its own slice
+        dst = torch.zeros((K, D) if atomic else (n_split, K, D), device=dev, dtype=torch.float32)
+        if N:
+            args = (logits, grad_out, lse, dst, N, K, D, triton.cdiv(N, n_split))
+            blk = blocks("grad_table", N, K, D, dev)
+            if blk is None:
+                grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split)  # noqa: E731
+                _grad_table_tuned[grid](*args, ATOMIC=atomic, DOT_DTYPE=dot)
+            else:
+                grid = (triton.cdiv(K, blk["BLOCK_K"]), triton.cdiv(D, blk["BLOCK_D"]), n_split)
+                _grad_table_kernel[grid](*args, ATOMIC=atomic, DOT_DTYPE=dot, **blk, num_warps=num_warps(blk))
+        grad_table = (dst if atomic else dst.sum(0)).to(table.dtype)
+    return grad_logits, grad_table
+
+
+__all__ = ["forward", "backward", "interpreted"]

@@ -1,0 +1,212 @@
+"""The triton backend of softmax_embedding_average and guided_embedding_average against the reference.
+
+On CPU these run in Triton's interpreter (tests/kernels/conftest.py), so row counts stay small;
+the shapes still cross every tile edge: K = 1000 spans several K tiles with a ragged last one,
+257 rows leave a one-row tail block and three dtable row splits, D = 48 and D = 300 are ragged.
+"""
+import pytest
+import torch
+
+from vqlcmd import ops
+from vqlcmd.ops import reference
+
+# |actual - expected| <= rtol * |expected| + atol * max|expected|: bf16 outputs are rounded to
+# 8 bits, and dlogits = P(dY·Eᵀ − delta) takes delta from the rounded output Y, as FlashAttention does.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+
+# (leading dims, K, D)
+SHAPES = [((2, 16), 1024, 256), ((1,), 1000, 48), ((257,), 1000, 48)]
+
+
+def assert_close(actual, expected, dtype):
+    rtol, atol = TOL[dtype]
+    assert actual.dtype == expected.dtype
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol * max(scale, 1e-6))
+
+
+def make(lead, K, D, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(*lead, K, generator=g)).to(device, dtype)  # peaked, as trained logits are
+    table = torch.randn(K, D, generator=g).to(device, dtype)
+    return logits, table
+
+
+def grads(fn, logits, table, upstream):
+    logits = logits.detach().requires_grad_()
+    table = table.detach().requires_grad_()
+    out = fn(logits, table)
+    out.backward(upstream)
+    return out, logits.grad, table.grad
+
+
+def triton_average(logits, table):
+    return ops.softmax_embedding_average(logits, table, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead,K,D", SHAPES)
+def test_output_and_gradients_match_reference(lead, K, D, dtype, device):
+    logits, table = make(lead, K, D, dtype, device)
+    upstream = torch.randn(*lead, D, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
+    assert_close(out, ref, dtype)
+    assert_close(g_logits, r_logits, dtype)
+    assert_close(g_table, r_table, dtype)
+
+
+def test_float16_and_mixed_dtypes(device):
+    logits, table = make((40,), 300, 24, torch.float16, device)
+    assert_close(triton_average(logits, table), reference.softmax_embedding_average(logits, table), torch.float16)
+    mixed = triton_average(logits, table.float())  # promoted to float32, as the reference does
+    assert_close(mixed, reference.softmax_embedding_average(logits, table.float()), torch.float32)
+
+
+def test_wide_embedding_is_tiled_over_d(device):
+    logits, table = make((5,), 40, 300, torch.float32, device)
+    upstream = torch.randn(5, 300).to(device)
+    for a, b in zip(grads(triton_average, logits, table, upstream),
+                    grads(reference.softmax_embedding_average, logits, table, upstream)):
+        assert_close(a, b, torch.float32)
+
+
+def test_only_logits_need_gradient(device):
+    # frozen embeddings (paper ablation): no dtable work, gradient still right
+    logits, table = make((33,), 100, 16, torch.float32, device)
+    logits.requires_grad_()
+    out = triton_average(logits, table)
+    out.pow(2).sum().backward()
+    expected = logits.detach().requires_grad_()
+    reference.softmax_embedding_average(expected, table).pow(2).sum().backward()
+    assert_close(logits.grad, expected.grad, torch.float32)
+
+
+def test_masked_classes_are_ignored(device):
+    # -inf logits (masked classes), including a whole first K tile, give no NaN
+    logits, table = make((20,), 600, 16, torch.float32, device)
+    logits[:, :300] = float("-inf")
+    logits[3, 450:] = float("-inf")
+    upstream = torch.randn(20, 16).to(device)
+    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
+    assert not out.isnan().any()
+    assert_close(out, ref, torch.float32)
+    assert_close(g_logits, r_logits, torch.float32)
+    assert_close(g_table, r_table, torch.float32)
+
+
+def test_deterministic_dtable_is_reproducible(device):
+    logits, table = make((257,), 64, 16, torch.float32, device)
+    upstream = torch.randn(257, 16).to(device)
+    _, _, atomic = grads(triton_average, logits, table, upstream)
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = grads(triton_average, logits, table, upstream)[2]
+        second = grads(triton_average, logits, table, upstream)[2]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(first, second)
+    assert_close(first, atomic, torch.float32)
+
+
+def test_log_sum_exp_gradient(device):
+    # the op also returns lse for its backward; a gradient reaching it must still be right
+    logits, table = make((9,), 70, 8, torch.float32, device)
+    ours = logits.detach().requires_grad_()
+    out, lse = torch.ops.vqlcmd_triton.softmax_embedding_average(ours, table)
+    (out.sum() + 2 * lse.sum()).backward()
+    theirs = logits.detach().requires_grad_()
+    (reference.softmax_embedding_average(theirs, table).sum() + 2 * theirs.logsumexp(-1).sum()).backward()
+    torch.testing.assert_close(lse, logits.logsumexp(-1))
+    assert_close(ours.grad, theirs.grad, torch.float32)
+
+
+def test_empty_batch_and_non_contiguous_inputs(device):
+    logits, table = make((6,), 40, 8, torch.float32, device)
+    assert triton_average(logits[:0], table).shape == (0, 8)
+    strided = logits.t().contiguous().t()  # column-major (6, 40)
+    assert_close(triton_average(strided, table), reference.softmax_embedding_average(logits, table), torch.float32)
+
+
+# ---- guided variant ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead,K,D,scale", [((2, 8), 1024, 256, 1.0), ((257,), 1000, 48, 3.5)])
+def test_guided_matches_reference(lead, K, D, scale, dtype, device):
+    cond, table = make(lead, K, D, dtype, device)
+    uncond, _ = make(lead, K, D, dtype, device, seed=7)
+    out = ops.guided_embedding_average(cond, uncond, table, scale, backend="triton")
+    assert_close(out, reference.guided_embedding_average(cond, uncond, table, scale), dtype)
+
+
+def test_guidance_zero_is_the_plain_op(device):
+    cond, table = make((257,), 1000, 48, torch.float32, device)
+    uncond = torch.randn_like(cond)
+    guided = ops.guided_embedding_average(cond, uncond, table, 0.0, backend="triton")
+    assert torch.equal(guided, triton_average(cond, table))
+
+
+# ---- dispatch, registration, tracing ----------------------------------------------------------------
+
+def test_auto_never_picks_the_interpreter():
+    x, t = torch.randn(3, 5), torch.randn(5, 2)
+    assert ops._dispatch.resolve("softmax_embedding_average", "auto", x, t) is not \
+        ops._dispatch._REGISTRY["softmax_embedding_average"]["triton"].fn
+
+
+def test_unsupported_inputs_say_why(monkeypatch):
+    x, t = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float64"):
+        ops.softmax_embedding_average(x, t, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "TRITON_INTERPRET" in ops.why_not("guided_embedding_average", "triton", x.float(), t.float())
+
+
+def test_opcheck(device):
+    logits, table = make((3, 4), 50, 8, torch.float32, device)
+    logits.requires_grad_()
+    table.requires_grad_()
+    torch.library.opcheck(torch.ops.vqlcmd_triton.softmax_embedding_average, (logits, table))
+    torch.library.opcheck(torch.ops.vqlcmd_triton.guided_embedding_average,
+                          (logits.detach(), torch.randn_like(logits.detach()), table.detach(), 1.5))
+
+
+def test_traces_under_torch_compile(device):
+    logits, table = make((4,), 50, 8, torch.float32, device)
+    fn = torch.compile(triton_average, backend="aot_eager", fullgraph=True)
+    assert_close(fn(logits, table), reference.softmax_embedding_average(logits, table), torch.float32)
+
+
+# ---- GPU: compiled kernels, the autotuned path and the issue's goal shape -----------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_goal_shape(dtype):
+    logits, table = make((32, 1024), 1024, 256, dtype, "cuda")  # N = 32768: autotuned path
+    upstream = torch.randn(32, 1024, 256, device="cuda", dtype=dtype)
+    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
+    assert_close(out, ref, dtype)
+    assert_close(g_logits, r_logits, dtype)
+    assert_close(g_table, r_table, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,K,D", [((3,), 7, 5), ((257,), 1000, 48), ((100,), 128, 32)])
+def test_gpu_small_shapes(lead, K, D):
+    logits, table = make(lead, K, D, torch.bfloat16, "cuda")
+    upstream = torch.randn(*lead, D, device="cuda", dtype=torch.bfloat16)
+    for a, b in zip(grads(triton_average, logits, table, upstream),
+                    grads(reference.softmax_embedding_average, logits, table, upstream)):
+        assert_close(a, b, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_triton_and_guided():
+    cond, table = make((4096,), 1024, 256, torch.bfloat16, "cuda")
+    uncond, _ = make((4096,), 1024, 256, torch.bfloat16, "cuda", seed=3)
+    assert ops._dispatch.resolve("softmax_embedding_average", "auto", cond, table) is \
+        ops._dispatch._REGISTRY["softmax_embedding_average"]["triton"].fn
+    out = ops.guided_embedding_average(cond, uncond, table, 1.0)
+    assert_close(out, reference.guided_embedding_average(cond, uncond, table, 1.0), torch.bfloat16)
