@@ -63,11 +63,38 @@ def sample_tokens(
 
     Class-conditional models take ``class_labels`` (B,); unconditional ones ``num_samples``.
     ``guidance_scale`` ω ≥ 0 applies classifier-free guidance (needs a conditional model).
+    ``final``: draw x ~ P(x | z_0; 0) ("sample", Algorithm 2) or take its argmax.
     """
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     if final not in ("sample", "argmax"):
         raise ValueError(f"final must be 'sample' or 'argmax', got {final!r}")
+    _, log_p = sample_latents(denoiser, table, schedule, num_samples=num_samples, class_labels=class_labels,
+                              num_steps=num_steps, sampler=sampler, guidance_scale=guidance_scale,
+                              generator=generator, seq_len=seq_len, backend=backend, progress=progress)
+    if final == "argmax":
+        return log_p.argmax(dim=-1)
+    B, M, K = log_p.shape
+    return torch.multinomial(log_p.reshape(-1, K).exp(), 1, generator=generator).view(B, M)
+
+
+@torch.no_grad()
+def sample_latents(
+    denoiser: Denoiser,
+    table: torch.Tensor,
+    schedule: ShiftedCosineSchedule,
+    *,
+    num_samples: Optional[int] = None,
+    class_labels: Optional[torch.Tensor] = None,
+    num_steps: int = 50,
+    sampler: str = "ancestral",
+    guidance_scale: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    seq_len: Optional[int] = None,
+    backend: str = "auto",
+    progress: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the reverse process to t = 0: returns z_0 (B, M, D) and the (guided) log P(x | z_0; 0) (B, M, K)."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     cfg = denoiser.cfg
@@ -104,17 +131,13 @@ def sample_tokens(
             psi = ops.guided_embedding_average(cond, uncond, codebook, guidance_scale, backend=backend)
         else:
             psi = ops.softmax_embedding_average(cond, codebook, backend=backend)
-        psi = psi.float()
+        psi = psi.float()  # Ψ̂ (B, M, D)
         tb, sb = t[:, None, None], s[:, None, None]
         if sampler == "ancestral":
             z = ancestral_step(z, psi, schedule, tb, sb, generator)
         else:
             z = ddim_step(z, psi, schedule, tb, sb)
 
-    t0 = grid[0].expand(B)
-    cond, uncond = _logits_pair(denoiser, z, t0, y, cfg.num_classes, guided)
+    cond, uncond = _logits_pair(denoiser, z, grid[0].expand(B), y, cfg.num_classes, guided)
     log_p = guided_log_probs(cond, uncond, guidance_scale) if guided else torch.log_softmax(cond, dim=-1)
-    if final == "argmax":
-        return log_p.argmax(dim=-1)
-    flat = log_p.reshape(-1, K).exp()
-    return torch.multinomial(flat, 1, generator=generator).view(B, M)
+    return z, log_p

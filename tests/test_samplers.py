@@ -1,0 +1,116 @@
+import math
+
+import pytest
+import torch
+
+from vqlcmd.model import DenoiserConfig, build_denoiser
+from vqlcmd.samplers import ancestral_step, ddim_step, sample_latents, sample_tokens
+from vqlcmd.schedule import ShiftedCosineSchedule
+
+
+def _alpha_sigma_f64(t: float, shift: float):
+    lam = -2 * math.log(math.tan(math.pi * t / 2)) + shift
+    a2 = 1 / (1 + math.exp(-lam))
+    return math.sqrt(a2), math.sqrt(1 - a2)
+
+
+def test_ancestral_step_matches_gaussian_posterior_for_true_embedding(gen):
+    """With Ψ̂ = E[x], z_s ~ q(z_s | z_t, x), derived here by conditioning the joint Gaussian of (z_s, z_t)."""
+    shift = -1.0
+    sched = ShiftedCosineSchedule(shift)
+    t, s = 0.7, 0.4
+    a_t, s_t = _alpha_sigma_f64(t, shift)
+    a_s, s_s = _alpha_sigma_f64(s, shift)
+    a_ts = a_t / a_s  # z_t = a_ts z_s + noise, Cov(z_s, z_t) = a_ts σ_s²
+    e = torch.randn(1, 1, 4, generator=gen)
+    z_t = a_t * e + s_t * torch.randn(1, 1, 4, generator=gen)
+    mean = a_s * e + (a_ts * s_s**2 / s_t**2) * (z_t - a_t * e)
+    var = s_s**2 - (a_ts * s_s**2) ** 2 / s_t**2
+
+    n = 200_000
+    tt, ss = torch.full((n, 1, 1), t), torch.full((n, 1, 1), s)
+    draws = ancestral_step(z_t.expand(n, 1, 4), e.expand(n, 1, 4), sched, tt, ss, generator=gen)
+    torch.testing.assert_close(draws.mean(0), mean[0], atol=4 * math.sqrt(var / n), rtol=0)
+    torch.testing.assert_close(draws.var(0), torch.full((1, 4), var), atol=0, rtol=0.02)
+
+
+class PerfectDenoiser(torch.nn.Module):
+    """Logits peaked on known tokens x whatever the input: a perfect predictor."""
+
+    def __init__(self, tokens, K, D, num_classes=0):
+        super().__init__()
+        self.cfg = DenoiserConfig(codebook_size=K, embed_dim=D, seq_len=tokens.shape[1], num_classes=num_classes)
+        self.register_buffer("logits", 30.0 * torch.nn.functional.one_hot(tokens, K).float())
+
+    def forward(self, z, t, y=None):
+        return self.logits.repeat(z.shape[0] // self.logits.shape[0], 1, 1)  # B or 2B rows (guided)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 50])
+def test_ddim_with_perfect_predictor_lands_on_embedding(steps, gen):
+    K, D = 12, 6
+    x = torch.randint(0, K, (3, 10), generator=gen)
+    table = torch.randn(K + 1, D, generator=gen)
+    sched = ShiftedCosineSchedule(0.0)
+    z0, log_p = sample_latents(PerfectDenoiser(x, K, D), table, sched, num_samples=3, num_steps=steps,
+                               sampler="ddim", generator=gen)
+    alpha0, _ = sched.alpha_sigma(torch.tensor(0.0))
+    torch.testing.assert_close(z0, alpha0 * table[x], atol=2e-3, rtol=0)
+    assert (log_p.argmax(-1) == x).all()
+
+
+@pytest.mark.parametrize("sampler", ["ancestral", "ddim"])
+@pytest.mark.parametrize("steps", [1, 2, 50])
+def test_both_samplers_run_and_are_reproducible(sampler, steps):
+    model = build_denoiser("tiny").eval()
+    table = torch.randn(17, 8)
+    y = torch.tensor([0, 1, 2])
+    kw = dict(class_labels=y, num_steps=steps, sampler=sampler, guidance_scale=1.0)
+    a = sample_tokens(model, table, ShiftedCosineSchedule(), generator=torch.Generator().manual_seed(1), **kw)
+    b = sample_tokens(model, table, ShiftedCosineSchedule(), generator=torch.Generator().manual_seed(1), **kw)
+    assert a.shape == (3, 16) and a.dtype == torch.int64 and (a >= 0).all() and (a < 16).all()
+    assert torch.equal(a, b)
+
+
+class ClassBlind(torch.nn.Module):
+    """A conditional model that ignores y: guidance must then change nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = build_denoiser("tiny", num_classes=0).eval()
+        self.cfg = DenoiserConfig(**{**self.inner.cfg.to_dict(), "num_classes": 4})
+
+    def forward(self, z, t, y=None):
+        return self.inner(z, t)
+
+
+def test_guidance_is_identity_when_condition_is_ignored():
+    model, table, y = ClassBlind(), torch.randn(17, 8), torch.tensor([0, 3])
+    run = lambda w: sample_latents(model, table, ShiftedCosineSchedule(), class_labels=y, num_steps=4,
+                                   guidance_scale=w, generator=torch.Generator().manual_seed(0))
+    z_a, lp_a = run(0.0)
+    z_b, lp_b = run(2.0)
+    torch.testing.assert_close(z_a, z_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp_a, lp_b, atol=1e-4, rtol=1e-4)
+
+
+def test_argmax_final_and_errors():
+    model, table = build_denoiser("tiny").eval(), torch.randn(17, 8)
+    y = torch.tensor([1])
+    out = sample_tokens(model, table, ShiftedCosineSchedule(), class_labels=y, num_steps=2, final="argmax")
+    assert out.shape == (1, 16)
+    with pytest.raises(ValueError, match="sampler"):
+        sample_tokens(model, table, ShiftedCosineSchedule(), class_labels=y, sampler="euler")
+    with pytest.raises(ValueError, match="guidance"):
+        sample_tokens(build_denoiser("tiny", num_classes=0), table, ShiftedCosineSchedule(), num_samples=1,
+                      guidance_scale=1.0)
+
+
+def test_ddim_step_fixed_point():
+    """If z_t lies on the trajectory of Ψ̂ with noise ε, the DDIM step keeps the same ε."""
+    sched = ShiftedCosineSchedule(0.0)
+    psi, eps = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    t, s = torch.full((2, 1, 1), 0.8), torch.full((2, 1, 1), 0.3)
+    (a_t, s_t), (a_s, s_s) = sched.alpha_sigma(t), sched.alpha_sigma(s)
+    z_s = ddim_step(a_t * psi + s_t * eps, psi, sched, t, s)
+    torch.testing.assert_close(z_s, a_s * psi + s_s * eps, atol=1e-5, rtol=1e-5)
