@@ -55,42 +55,66 @@ def dot_dtype(*tensors: torch.Tensor):
     return tl.float32
 
 
-# (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages), chosen for H100 with K ~ 1024, D ~ 256 in mind.
+# (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages) for H100 with K ~ 1024, D ~ 256 in mind, each
+# checked to fit its 227 KiB of shared memory and to spill no registers when compiled for sm_90
+# (``python -m vqlcmd.kernels.aot_check`` runs that check without a GPU).
 # The forward keeps a (BLOCK_M, BLOCK_D) float32 accumulator and streams K; the D tile is the whole
-# row when D <= 256 so that the softmax is computed once per row. The tile is clamped to the problem.
+# row when D <= 256 so that the softmax is computed once per row. float32 operands (tf32x3 splits
+# each into two tf32 halves) need about twice the shared memory, hence their own smaller tiles.
 _CONFIGS = {
-    "forward": [
+    ("forward", 16): [
         (64, 64, 256, 4, 3), (64, 64, 256, 8, 3), (128, 64, 256, 8, 3), (128, 32, 256, 8, 4),
-        (64, 128, 256, 8, 3), (32, 128, 256, 4, 4), (128, 64, 128, 8, 3), (64, 64, 128, 4, 4),
+        (64, 128, 256, 8, 2), (32, 128, 256, 4, 2), (128, 64, 128, 8, 3), (64, 64, 128, 4, 4),
+    ],
+    ("forward", 32): [
+        (64, 32, 256, 8, 2), (64, 32, 128, 4, 2), (32, 32, 256, 8, 2), (64, 16, 256, 8, 3), (128, 32, 128, 8, 2),
     ],
     # (BLOCK_M, BLOCK_K) output tile of dlogits, D streamed in BLOCK_D steps
-    "grad_logits": [
+    ("grad_logits", 16): [
         (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3),
         (64, 64, 128, 4, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3),
     ],
+    ("grad_logits", 32): [
+        (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 32, 4, 4),
+    ],
     # (BLOCK_K, BLOCK_D) accumulator of dtable, rows streamed in BLOCK_M steps
-    "grad_table": [
+    ("grad_table", 16): [
         (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (32, 128, 256, 8, 3), (64, 64, 256, 8, 3),
         (128, 64, 64, 4, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),
     ],
+    ("grad_table", 32): [
+        (64, 64, 128, 4, 3), (32, 64, 256, 8, 2), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3), (32, 128, 128, 8, 2),
+    ],
+}
+# fixed tiles for small problems on a GPU (no autotuning), by operand width
+_SMALL_BLOCKS = {
+    ("forward", 16): (64, 64, 256, 8, 3), ("forward", 32): (64, 32, 256, 8, 2),
+    ("grad_logits", 16): (64, 64, 64, 4, 3), ("grad_logits", 32): (64, 64, 64, 4, 3),
+    ("grad_table", 16): (64, 64, 128, 4, 3), ("grad_table", 32): (64, 64, 128, 4, 3),
 }
 
 
-def _configs(name: str) -> list:
-    return [triton.Config(dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), num_warps=w, num_stages=s)
-            for m, k, d, w, s in _CONFIGS[name]]
+def _width(dot) -> int:
+    return 32 if dot == tl.float32 else 16
+
+
+def _config(m, k, d, warps, stages):
+    return triton.Config(dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), num_warps=warps, num_stages=stages)
+
+
+def _clamp(kw: dict, N: int, K: int, D: int) -> dict:
+    """Tiles no larger than the problem (rounded up to a power of two, at least 16)."""
+    big = 1 << 30
+    return dict(kw, BLOCK_M=min(kw["BLOCK_M"], _cap(N, big)), BLOCK_K=min(kw["BLOCK_K"], _cap(K, big)),
+                BLOCK_D=min(kw["BLOCK_D"], _cap(D, big)))
 
 
 def _clamp_configs(configs, named_args, **kwargs):
-    """Clamp every tile to the problem (small K, D or N) and drop the duplicates that makes."""
+    """Clamp every config to the problem (small K, D or N) and drop the duplicates that makes."""
     args = {**named_args, **kwargs}
-    N, K, D = args["N"], args["K"], args["D"]
     seen, kept = set(), []
     for c in configs:
-        kw = dict(c.kwargs)
-        kw["BLOCK_M"] = min(kw["BLOCK_M"], _cap(N, 1 << 30))
-        kw["BLOCK_K"] = min(kw["BLOCK_K"], _cap(K, 1 << 30))
-        kw["BLOCK_D"] = min(kw["BLOCK_D"], _cap(D, 1 << 30))
+        kw = _clamp(c.kwargs, args["N"], args["K"], args["D"])
         key = (kw["BLOCK_M"], kw["BLOCK_K"], kw["BLOCK_D"], c.num_warps, c.num_stages)
         if key not in seen:
             seen.add(key)
@@ -98,39 +122,36 @@ def _clamp_configs(configs, named_args, **kwargs):
     return kept
 
 
-def autotuned(kernel, name: str, reset_to_zero: Optional[list] = None):
-    """``kernel`` autotuned over the H100 configurations for ``name`` (None under the interpreter)."""
-    if interpreted:
-        return None
-    return triton.autotune(configs=_configs(name), key=["N", "K", "D"],
-                           prune_configs_by={"early_config_prune": _clamp_configs},
-                           reset_to_zero=reset_to_zero)(kernel)
+class Tuned:
+    """``kernel`` autotuned over the H100 configurations of ``name``, one autotuner per operand width."""
+
+    def __init__(self, kernel, name: str, reset_to_zero: Optional[list] = None):
+        self._tuners = {} if interpreted else {
+            width: triton.autotune(configs=[_config(*c) for c in _CONFIGS[(name, width)]], key=["N", "K", "D"],
+                                   prune_configs_by={"early_config_prune": _clamp_configs},
+                                   reset_to_zero=reset_to_zero)(kernel)
+            for width in (16, 32)
+        }
+
+    def __call__(self, dot):
+        return self._tuners[_width(dot)]
 
 
-def blocks(name: str, N: int, K: int, D: int, device: torch.device) -> Optional[dict]:
-    """Fixed block sizes for this launch, or None to autotune.
+def blocks(name: str, N: int, K: int, D: int, device: torch.device, dot) -> Optional[dict]:
+    """Fixed block sizes and launch options for this launch, or None to autotune.
 
     Under the interpreter each program step is numpy work on whole tiles, so bigger tiles mean
     fewer Python-level steps (128x256 runs the tests ~3x faster than 64x128) while K = 1000 still
-    spans several tiles; on a GPU small problems get tiles sized to K and D.
+    spans several tiles; on a GPU small problems get the fixed tiles above, clamped to K and D.
     """
     if name == "delta":
-        return dict(BLOCK_M=64, BLOCK_D=_cap(D, 256))
-    if not interpreted and device.type == "cuda" and N * K >= _SMALL:
-        return None
+        return dict(BLOCK_M=64, BLOCK_D=_cap(D, 256), num_warps=4)
     if interpreted:
         return dict(BLOCK_M=_cap(N, 128), BLOCK_K=_cap(K, 256), BLOCK_D=_cap(D, 256))
-    if name == "forward":
-        return dict(BLOCK_M=_cap(N, 64), BLOCK_K=_cap(K, 64), BLOCK_D=_cap(D, 256))
-    if name == "grad_logits":
-        return dict(BLOCK_M=_cap(N, 64), BLOCK_K=_cap(K, 64), BLOCK_D=_cap(D, 64))
-    return dict(BLOCK_M=_cap(N, 64), BLOCK_K=_cap(K, 64), BLOCK_D=_cap(D, 128))
-
-
-def num_warps(blk: dict) -> int:
-    """4 warps hold a 64x128 float32 accumulator comfortably; larger tiles get 8."""
-    dims = sorted((blk["BLOCK_M"], blk["BLOCK_K"], blk["BLOCK_D"]))
-    return 4 if dims[1] * dims[2] <= 64 * 128 else 8
+    if device.type == "cuda" and N * K >= _SMALL:
+        return None
+    m, k, d, warps, stages = _SMALL_BLOCKS[(name, _width(dot))]
+    return dict(_clamp(dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), N, K, D), num_warps=warps, num_stages=stages)
 
 
 def splits(N: int) -> int:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import autotuned, blocks, dot_dtype, interpreted, num_warps, splits
+from ._launch import Tuned, blocks, dot_dtype, interpreted, splits
 
 
 @triton.jit
@@ -149,9 +149,21 @@ def _grad_table_kernel(
         tl.store(dst_ptr + pid_s * K * D + offs, acc, mask=mask)
 
 
-_forward_tuned = autotuned(_forward_kernel, "forward")
-_grad_logits_tuned = autotuned(_grad_logits_kernel, "grad_logits")
-_grad_table_tuned = autotuned(_grad_table_kernel, "grad_table", reset_to_zero=["dst_ptr"])
+_TUNED = {
+    "forward": Tuned(_forward_kernel, "forward"),
+    "grad_logits": Tuned(_grad_logits_kernel, "grad_logits"),
+    "grad_table": Tuned(_grad_table_kernel, "grad_table", reset_to_zero=["dst_ptr"]),
+}
+_KERNELS = {"forward": _forward_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel}
+
+
+def _launch(name: str, grid, N: int, K: int, D: int, args: tuple, dot, **const) -> None:
+    """Fixed tiles (interpreter, small problems) or the autotuner; ``grid(meta)`` sizes the launch."""
+    blk = blocks(name, N, K, D, args[0].device, dot)
+    if blk is None:
+        _TUNED[name](dot)[grid](*args, DOT_DTYPE=dot, **const)
+    else:
+        _KERNELS[name][grid(blk)](*args, DOT_DTYPE=dot, **const, **blk)
 
 
 def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Tensor] = None,
@@ -169,15 +181,8 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
     guided = uncond is not None
     logits, table = logits.contiguous(), table.contiguous()
     uncond = uncond.contiguous() if guided else logits  # unread when not guided
-    args = (logits, uncond, table, out, lse, N, K, D, float(guidance))
-    const = dict(GUIDED=guided, DOT_DTYPE=dot_dtype(logits, table))
-    blk = blocks("forward", N, K, D, logits.device)
-    if blk is None:
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"]))  # noqa: E731
-        _forward_tuned[grid](*args, **const)
-    else:
-        grid = (triton.cdiv(N, blk["BLOCK_M"]), triton.cdiv(D, blk["BLOCK_D"]))
-        _forward_kernel[grid](*args, **const, **blk, num_warps=num_warps(blk))
+    _launch("forward", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"])), N, K, D,
+            (logits, uncond, table, out, lse, N, K, D, float(guidance)), dot_dtype(logits, table), GUIDED=guided)
     return out, lse
 
 
@@ -197,32 +202,21 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
         if N:
             delta = torch.empty((N,), device=dev, dtype=torch.float32)
             has_glse = grad_lse is not None
-            blk = blocks("delta", N, K, D, dev)
+            blk = blocks("delta", N, K, D, dev, dot)
             _delta_kernel[(triton.cdiv(N, blk["BLOCK_M"]),)](
                 grad_out, out, grad_lse.contiguous() if has_glse else lse, delta, N, D,
                 HAS_GRAD_LSE=has_glse, **blk)
-            args = (logits, table, grad_out, lse, delta, grad_logits, N, K, D)
-            blk = blocks("grad_logits", N, K, D, dev)
-            if blk is None:
-                grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
-                _grad_logits_tuned[grid](*args, DOT_DTYPE=dot)
-            else:
-                grid = (triton.cdiv(N, blk["BLOCK_M"]), triton.cdiv(K, blk["BLOCK_K"]))
-                _grad_logits_kernel[grid](*args, DOT_DTYPE=dot, **blk, num_warps=num_warps(blk))
+            _launch("grad_logits", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
+                    N, K, D, (logits, table, grad_out, lse, delta, grad_logits, N, K, D), dot)
     if need_table:
         n_split = splits(N)
         atomic = not deterministic and n_split > 1
         # atomics add into one float32 (K, D) buffer; otherwise each split writes its own slice
         dst = torch.zeros((K, D) if atomic else (n_split, K, D), device=dev, dtype=torch.float32)
         if N:
-            args = (logits, grad_out, lse, dst, N, K, D, triton.cdiv(N, n_split))
-            blk = blocks("grad_table", N, K, D, dev)
-            if blk is None:
-                grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split)  # noqa: E731
-                _grad_table_tuned[grid](*args, ATOMIC=atomic, DOT_DTYPE=dot)
-            else:
-                grid = (triton.cdiv(K, blk["BLOCK_K"]), triton.cdiv(D, blk["BLOCK_D"]), n_split)
-                _grad_table_kernel[grid](*args, ATOMIC=atomic, DOT_DTYPE=dot, **blk, num_warps=num_warps(blk))
+            _launch("grad_table",
+                    lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split),
+                    N, K, D, (logits, grad_out, lse, dst, N, K, D, triton.cdiv(N, n_split)), dot, ATOMIC=atomic)
         grad_table = (dst if atomic else dst.sum(0)).to(table.dtype)
     return grad_logits, grad_table
 

@@ -1,0 +1,105 @@
+"""Compile the kernels for H100 (sm_90) without a GPU: catches compile errors and shared-memory overflow.
+
+    python -m vqlcmd.kernels.aot_check            # every autotuning config and the fixed small tiles
+    python -m vqlcmd.kernels.aot_check --quick    # the fixed small tiles only (the CI test)
+
+Machines without a GPU can still run Triton's whole compiler (the wheel bundles ptxas), so the
+GPU path is checked where the interpreter cannot check it. Pointers and K, D are marked 16-aligned,
+as the JIT marks them for K = 1024, D = 256; without that the compiler does not pipeline the loads
+and the shared-memory figures would be too small. Must run with TRITON_INTERPRET unset.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+H100_SHARED_BYTES = 227 * 1024
+
+
+def _signature(fn, io: str, consts: dict) -> tuple[dict, dict]:
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            wide = name in ("lse_ptr", "delta_ptr", "dst_ptr")
+            sig[name] = "*fp32" if wide else io
+        else:
+            sig[name] = "fp32" if name == "guidance" else "i32"
+        if name.endswith("_ptr") or name in ("K", "D"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def check(quick: bool) -> list[str]:
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import _launch
+    from . import softmax_embedding_average as sea
+
+    if _launch.interpreted:
+        raise SystemExit("aot_check: unset TRITON_INTERPRET (the kernels were decorated for the interpreter)")
+    kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)), "grad_logits": (sea._grad_logits_kernel, {}),
+               "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True))}
+    jobs = [(key, cfg, "small") for key, cfg in _launch._SMALL_BLOCKS.items()]
+    if not quick:
+        jobs += [(key, cfg, "tuned") for key, cfgs in _launch._CONFIGS.items() for cfg in cfgs]
+    problems = []
+    for (name, width), (m, k, d, warps, stages), kind in jobs:
+        fn, consts = kernels[name]
+        consts = dict(consts, DOT_DTYPE=tl.float32 if width == 32 else tl.bfloat16, BLOCK_M=m, BLOCK_K=k, BLOCK_D=d)
+        sig, attrs = _signature(fn, "*fp32" if width == 32 else "*bf16", consts)
+        label = f"{name} {'fp32' if width == 32 else 'bf16'} {kind} M{m} K{k} D{d} warps{warps} stages{stages}"
+        try:
+            compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=warps, num_stages=stages))
+        except Exception as exc:  # noqa: BLE001: report every failing config, not only the first
+            problems.append(f"{label}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        shared = compiled.metadata.shared
+        regs, spilled = _registers(compiled.asm["ptx"])
+        print(f"{label}: {shared / 1024:.0f} KiB shared, {regs} registers, {spilled} bytes spilled", flush=True)
+        if shared > H100_SHARED_BYTES:
+            problems.append(f"{label}: needs {shared / 1024:.0f} KiB of shared memory, H100 has 227")
+        if spilled:
+            problems.append(f"{label}: spills {spilled} bytes of registers")
+    return problems
+
+
+def _registers(ptx: str) -> tuple[int, int]:
+    """Registers per thread and bytes of spill stores, from the ptxas bundled with Triton."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                              text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spilled = re.search(r"(\d+) bytes spill stores", info)
+    return int(regs.group(1)) if regs else -1, int(spilled.group(1)) if spilled else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the fixed tiles for small problems")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("aot_check: unset TRITON_INTERPRET first")
+    problems = check(args.quick)
+    for p in problems:
+        print("PROBLEM", p, file=sys.stderr)
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
