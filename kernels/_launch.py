@@ -125,9 +125,11 @@ def _clamp_configs(configs, named_args, **kwargs):
 class Tuned:
     """``kernel`` autotuned over the H100 configurations of ``name``, one autotuner per operand width."""
 
-    def __init__(self, kernel, name: str, reset_to_zero: Optional[list] = None):
+    def __init__(self, kernel, name: str, variants: tuple = (), reset_to_zero: Optional[list] = None):
+        # variants: constexpr switches (GUIDED, ATOMIC) that change the work, so are tuned apart
         self._tuners = {} if interpreted else {
-            width: triton.autotune(configs=[_config(*c) for c in _CONFIGS[(name, width)]], key=["N", "K", "D"],
+            width: triton.autotune(configs=[_config(*c) for c in _CONFIGS[(name, width)]],
+                                   key=["N", "K", "D", *variants],
                                    prune_configs_by={"early_config_prune": _clamp_configs},
                                    reset_to_zero=reset_to_zero)(kernel)
             for width in (16, 32)

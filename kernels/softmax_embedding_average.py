@@ -150,9 +150,9 @@ def _grad_table_kernel(
 
 
 _TUNED = {
-    "forward": Tuned(_forward_kernel, "forward"),
+    "forward": Tuned(_forward_kernel, "forward", variants=("GUIDED",)),
     "grad_logits": Tuned(_grad_logits_kernel, "grad_logits"),
-    "grad_table": Tuned(_grad_table_kernel, "grad_table", reset_to_zero=["dst_ptr"]),
+    "grad_table": Tuned(_grad_table_kernel, "grad_table", variants=("ATOMIC",), reset_to_zero=["dst_ptr"]),
 }
 _KERNELS = {"forward": _forward_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel}
 
