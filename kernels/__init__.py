@@ -3,4 +3,6 @@
 One module per op. Whether the kernels run compiled or in Triton's interpreter is fixed when
 they are first imported (``TRITON_INTERPRET=1`` then means the interpreter), so import them
 lazily, after the environment is set; ``vqlcmd.ops._triton`` does.
+
+``aot_check`` compiles every kernel configuration for H100 (sm_90) on a machine without a GPU.
 """
