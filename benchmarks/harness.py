@@ -5,13 +5,18 @@ A stage module ``benchmarks/stage_<name>.py`` defines ``STAGE = "<name>"`` and
 Every case is measured with warm-up, several repetitions and the median; CUDA
 events on GPU; peak memory per case (CUDA allocator on GPU, tracked allocations
 seen by the profiler on CPU).
+
+A stage returns :class:`Result` rows and, for what it could not measure,
+:class:`Skip` rows with the reason; :func:`run_case` turns an exception inside
+one case into a ``failed`` Skip so that one broken backend does not end the stage.
+A stage that cannot run at all raises :class:`StageSkipped`.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -22,8 +27,18 @@ class Context:
     quick: bool = False  # tiny shapes and few repetitions: proves the harness works (CI)
     backends: Optional[list[str]] = None  # restrict to these backends (None = all available)
 
-    def wants(self, backend: str) -> bool:
-        return self.backends is None or backend in self.backends
+    def wants(self, backend: str, *, baseline: bool = False) -> bool:
+        """Whether to measure ``backend``. A stage passes ``baseline=True`` for its baseline,
+        which is measured whatever ``--backend`` says, so every speed-up has its reference."""
+        return baseline or self.backends is None or backend in self.backends
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def repetitions(self, warmup: int = 3, reps: int = 10) -> dict:
+        """``measure`` keyword arguments: the given counts, or the least that still gives a median in quick mode."""
+        return dict(warmup=1, reps=2) if self.quick else dict(warmup=warmup, reps=reps)
 
 
 @dataclass
@@ -49,6 +64,51 @@ class Result:
         d = asdict(self)
         d.update(d.pop("timing"))
         return d
+
+
+@dataclass
+class Skip:
+    """A case (or a whole stage, with empty case and backend) that was not measured."""
+
+    stage: str
+    case: str
+    backend: str
+    reason: str
+    failed: bool = False  # True: it raised; False: not applicable here (not installed, wrong device)
+
+    @property
+    def status(self) -> str:
+        return "failed" if self.failed else "skipped"
+
+
+class StageSkipped(Exception):
+    """Raised by a stage's ``run`` when the stage cannot run at all here (missing dependency, no GPU)."""
+
+
+Record = Union[Result, Skip]
+
+
+def describe_error(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, shape: str, dtype: str,
+             fn: Callable[[], object], baseline: str = "", setup: Optional[Callable[[], None]] = None,
+             extra: Optional[Callable[[Timing], dict]] = None, warmup: int = 3, reps: int = 10) -> Optional[Timing]:
+    """Measure one case and append its Result to ``out``; on an exception append a failed Skip instead.
+
+    ``extra(timing)`` turns the timing into figures such as images/s; ``warmup``/``reps``
+    are the full-run counts (quick mode uses fewer).
+    """
+    try:
+        timing = measure(fn, ctx.device, setup=setup, **ctx.repetitions(warmup, reps))
+        figures = extra(timing) if extra else {}
+    except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
+        out.append(Skip(stage, case, backend, describe_error(exc), failed=True))
+        return None
+    out.append(Result(stage, case, backend, shape, dtype, timing, baseline, figures))
+    return timing
 
 
 def _sync(device: torch.device) -> None:

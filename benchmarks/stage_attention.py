@@ -1,0 +1,86 @@
+"""Attention: every available backend of ``vqlcmd.model.attention`` against the math path.
+
+``math`` (explicit softmax(QKᵀ/√d)V in fp32) is the baseline. ``sdpa`` lets PyTorch
+pick its kernel; on CUDA its flash, memory-efficient and cuDNN kernels are also
+measured one by one (``sdpa-flash`` ...), and flash-attn 2/3 where installed.
+Shapes are those of the paper presets (M = 256 tokens, head dim 64 and 48), plus a
+longer sequence on GPU. Dropout is 0 so that every backend, FA3 included, runs the
+same computation (training uses 0.1).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+from benchmarks.harness import Context, Skip, run_case
+
+# the package re-exports the function ``attention`` under the module's name, so fetch the module itself
+attn_mod = importlib.import_module("vqlcmd.model.attention")
+
+STAGE = "attention"
+BASELINE = "math"
+
+
+def _shapes(ctx: Context) -> list[tuple[int, int, int, int]]:
+    """(B, H, M, hd)."""
+    if ctx.quick:
+        return [(2, 2, 16, 16)]
+    if ctx.is_cuda:
+        return [(64, 8, 256, 64), (64, 16, 256, 48), (16, 16, 1024, 64)]
+    return [(4, 8, 256, 64), (2, 16, 256, 48)]
+
+
+def _sdpa_kernels() -> dict:
+    """SDPA restricted to one kernel (CUDA only): name -> context manager factory."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
+    if hasattr(SDPBackend, "CUDNN_ATTENTION"):
+        kernels["sdpa-cudnn"] = SDPBackend.CUDNN_ATTENTION
+    return {name: (lambda k=k: sdpa_kernel(k)) for name, k in kernels.items()}
+
+
+def _backends(ctx: Context, out: list) -> dict:
+    """name -> (attention backend argument, context manager factory)."""
+    backends = {"math": ("math", contextlib.nullcontext), "sdpa": ("sdpa", contextlib.nullcontext)}
+    if ctx.is_cuda:
+        backends.update({name: ("sdpa", cm) for name, cm in _sdpa_kernels().items()})
+    for name, fn in (("flash3", attn_mod._fa3_func), ("flash2", attn_mod._fa2_func)):
+        if fn is None:
+            package = "flash_attn_interface (FlashAttention-3)" if name == "flash3" else "flash_attn"
+            out.append(Skip(STAGE, "", name, f"{package} is not installed"))
+        elif not ctx.is_cuda:
+            out.append(Skip(STAGE, "", name, "needs CUDA fp16/bf16 tensors"))
+        else:
+            backends[name] = (name, contextlib.nullcontext)
+    return {k: v for k, v in backends.items() if ctx.wants(k, baseline=k == BASELINE)}
+
+
+def run(ctx: Context) -> list:
+    out: list = []
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    backends = _backends(ctx, out)
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    for B, H, M, hd in _shapes(ctx):
+        shape = f"B{B} H{H} M{M} hd{hd}"
+        q, k, v, grad = (torch.randn(B, H, M, hd, device=ctx.device, dtype=dtype, generator=gen) for _ in range(4))
+        fwd_flops = 4.0 * B * H * M * M * hd  # QKᵀ and PV
+        for case, flops, with_grad in (("fwd", fwd_flops, False), ("fwd+bwd", 3.5 * fwd_flops, True)):
+            # 3.5: the backward recomputes the scores and has four more matmuls (flash-attn's convention)
+            leaves = [x.detach().requires_grad_(with_grad) for x in (q, k, v)]
+            for name, (arg, kernel) in backends.items():
+                def fn(arg=arg, kernel=kernel, leaves=leaves, with_grad=with_grad):
+                    with kernel():
+                        if not with_grad:
+                            with torch.no_grad():
+                                return attn_mod.attention(*leaves, backend=arg)
+                        for x in leaves:
+                            x.grad = None
+                        attn_mod.attention(*leaves, backend=arg).backward(grad)
+
+                run_case(ctx, out, stage=STAGE, case=case, backend=name, shape=shape, dtype=str(dtype)[6:], fn=fn,
+                         baseline=BASELINE, extra=lambda t, f=flops: {"GFLOP/s": f / t.median_ms / 1e6},
+                         warmup=3, reps=10)
+    return out
