@@ -122,7 +122,8 @@ def training_losses(
         teacher_table = teacher.embedding.table()
         z_s = ops.ddim_teacher_step(tokens, teacher_table, z_t.detach(), alpha_t, sigma_t, alpha_s, sigma_s,
                                     backend=backend)
-        teacher_logits = teacher.denoiser(z_s.to(z_t.dtype), s, y).float()  # (B, M, K)
+        teacher_dtype = teacher_table.dtype  # the EMA teacher stays float32 under bf16 training
+        teacher_logits = teacher.denoiser(z_s.to(teacher_dtype), s, y).float()  # (B, M, K)
 
     # 5-6. losses
     target = table[tokens]  # (B, M, D): clean, undropped E[x]; gradient reaches E through it too

@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Train VQ-LCMD.
+
+    deepspeed scripts/train.py --config ds_imagenet.json      # any number of ranks / nodes
+    python scripts/train.py --config ds_digits.json           # one process
+
+``--config`` takes a path or the name of a file in configs/. One file holds
+DeepSpeed's keys and a ``vqlcmd`` section (see configs/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without install
+
+from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section  # noqa: E402
+
+
+def _set(section: dict, dotted: str, value: str) -> None:
+    *path, last = dotted.split(".")
+    for key in path:
+        section = section.setdefault(key, {})
+    try:
+        section[last] = json.loads(value)
+    except json.JSONDecodeError:
+        section[last] = value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="config file: a path or a name in configs/")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a vqlcmd key, e.g. --set train.steps=200 --set loss.beta_cm=0")
+    parser.add_argument("--evaluate", action="store_true",
+                        help="after training, sample a class-conditional grid and (digits) report accuracy")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    args = parser.parse_args(argv)
+
+    try:
+        ds_config, cfg = load_config(args.config)
+        if args.set:
+            section = cfg.to_dict()
+            for item in args.set:
+                key, _, value = item.partition("=")
+                _set(section, key, value)
+            cfg = parse_vqlcmd_section(section)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+
+    from vqlcmd.engine.trainer import Trainer
+
+    try:
+        trainer = Trainer(ds_config, cfg)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    trainer.train(progress=not args.no_progress)
+    if args.evaluate and trainer.rank == 0:
+        from vqlcmd.engine.report import final_report
+
+        final_report(trainer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Crash-safe checkpoints: DeepSpeed's state plus EMAs, loader position and RNG states.
+
+A checkpoint is written under ``<dir>/step_XXXXXXX.partial/`` and renamed to
+``<dir>/step_XXXXXXX/`` once every rank has finished writing; only then is the
+``latest`` file replaced (write to a temporary file, then ``os.replace``, which is
+atomic on POSIX). A crash mid-write therefore leaves at most a ``.partial``
+folder behind and ``latest`` still names a complete checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(ckpt_dir: Path, step: int, keep: int) -> Path:
+    """Rank 0, after all ranks wrote ``<tag>.partial``: publish it and prune old ones."""
+    tag = tag_for(step)
+    partial, final = ckpt_dir / f"{tag}.partial", ckpt_dir / tag
+    if final.exists():  # the same step saved again (e.g. the end of a resumed run)
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    atomic_write_text(ckpt_dir / "latest", tag + "\n")
+    for old in complete_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in ckpt_dir.glob("*.partial"):  # left by an earlier crash
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)] if ckpt_dir.is_dir() else []
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_tag(ckpt_dir: Path) -> Optional[str]:
+    """The tag ``latest`` names, if that checkpoint is complete; else the newest complete one."""
+    latest = ckpt_dir / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if (ckpt_dir / tag).is_dir():
+            return tag
+    done = complete_checkpoints(ckpt_dir)
+    return done[-1].name if done else None

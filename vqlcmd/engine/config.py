@@ -1,0 +1,185 @@
+"""Experiment configuration: one JSON file with DeepSpeed's keys plus a ``vqlcmd`` section.
+
+The ``vqlcmd`` section is parsed into dataclasses; an unknown key anywhere in it
+is an error naming the key and where it stood, so a typo never silently trains
+with a default. The resolved configuration (defaults filled in) is stored with
+every checkpoint and exported pipeline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..diffusion import LossConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelSection:
+    preset: str = "digits-1m"
+    overrides: dict = field(default_factory=dict)  # any DenoiserConfig field, e.g. {"depth": 6}
+
+
+@dataclass
+class DataSection:
+    # "digits": the embedded data set, prepared (tokenizer + shards) on first use and cached.
+    dataset: Optional[str] = None
+    shards: Optional[str] = None  # folder of token shards (relative paths: to the repository root)
+    tokenizer: Optional[str] = None  # folder of the VQ tokenizer (for decoding sample grids)
+    num_workers: int = 0
+
+
+@dataclass
+class EmbeddingSection:
+    frozen: bool = False  # ablation: fixed embeddings
+    l2_normalize: bool = False  # ablation: ℓ2-normalised embeddings
+
+
+@dataclass
+class ScheduleSection:
+    shift: float = 0.0
+    t_min: float = 1e-4
+
+
+@dataclass
+class EMASection:
+    teacher: float = 0.99  # η of the consistency-matching teacher (paper)
+    sampling: float = 0.999  # ours: slower EMA used by the exported pipeline
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.99)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # "torch": torch.optim.AdamW (fused on CUDA, foreach on CPU); "apex": apex FusedAdam (optional install)
+    impl: str = "torch"
+
+
+@dataclass
+class TrainSection:
+    steps: int = 1000
+    seed: int = 0
+    output_dir: str = "runs/digits"
+    log_every: int = 20
+    sample_every: int = 500
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    compile: bool = False  # torch.compile the denoiser
+    backend: str = "auto"  # backend of the fused ops
+    resume: bool = True  # continue from output_dir/checkpoints/latest when present
+
+
+@dataclass
+class SampleSection:
+    num_steps: int = 50
+    guidance_scale: float = 1.0
+    sampler: str = "ancestral"
+    per_class: int = 10  # images per class in the sample grid
+    final: str = "sample"
+
+
+@dataclass
+class VQLCMDConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    loss: LossConfig = field(default_factory=LossConfig)
+    embedding: EmbeddingSection = field(default_factory=EmbeddingSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    ema: EMASection = field(default_factory=EMASection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    sample: SampleSection = field(default_factory=SampleSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _build(cls, data: Any, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {where}.{unknown[0]} (known keys of {where}: {', '.join(fields)})")
+    kwargs = {}
+    for name, value in data.items():
+        f = fields[name]
+        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type in _SECTIONS):
+            kwargs[name] = _build(_SECTIONS[f.type if isinstance(f.type, str) else f.type.__name__], value,
+                                  f"{where}.{name}")
+        elif name == "betas":
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+_SECTIONS = {c.__name__: c for c in (ModelSection, DataSection, LossConfig, EmbeddingSection, ScheduleSection,
+                                     EMASection, OptimizerSection, TrainSection, SampleSection, VQLCMDConfig)}
+
+
+def parse_vqlcmd_section(section: dict) -> VQLCMDConfig:
+    return _build(VQLCMDConfig, section, "vqlcmd")
+
+
+def resolve_config_path(name: str) -> Path:
+    """``--config NAME``: a path, or the name of a file in configs/."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    candidate = CONFIG_DIR / name
+    if candidate.is_file():
+        return candidate
+    raise ConfigError(f"config {name!r} not found (looked at {path.resolve()} and {candidate})")
+
+
+def load_config(name: str) -> tuple[dict, VQLCMDConfig]:
+    """Returns (the DeepSpeed part of the file, the parsed vqlcmd section)."""
+    path = resolve_config_path(name)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if "vqlcmd" not in raw:
+        raise ConfigError(f"{path}: missing the 'vqlcmd' section")
+    section = raw.pop("vqlcmd")
+    cfg = parse_vqlcmd_section(section)
+    check_deepspeed_section(raw, path)
+    return raw, cfg
+
+
+def check_deepspeed_section(ds: dict, path) -> None:
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ConfigError(
+            f"{path}: zero_optimization.stage={stage} is not supported: the EMA teacher runs a full forward "
+            "every step and needs the whole parameter set on each rank; ZeRO-3 partitions parameters, so "
+            "use stage 0, 1 or 2 (which partition optimizer state and gradients only)"
+        )
+    if ds.get("fp16", {}).get("enabled"):
+        raise ConfigError(f"{path}: fp16 training is not supported; use bf16 (or fp32)")
+
+
+def repo_path(p: Optional[str]) -> Optional[Path]:
+    """Relative paths in configs are relative to the repository root, so configs work from any cwd."""
+    if p is None:
+        return None
+    p = Path(os.path.expanduser(p))
+    return p if p.is_absolute() else REPO_ROOT / p

@@ -1,0 +1,312 @@
+"""The training engine: DeepSpeed (ZeRO 0/1/2, bf16 or fp32) around the VQ-LCMD loss.
+
+Parallelism, checkpoints and logging live here; the model (``vqlcmd.model``)
+and the diffusion math (``vqlcmd.diffusion``) know nothing of them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..diffusion import training_losses
+from ..ema import EMA
+from ..embedding import collapse_indicator
+from ..model import attention_backend_for, preset_config
+from ..network import VQLCMDNetwork
+from ..pipeline import VQLCMDPipeline
+from ..schedule import ShiftedCosineSchedule
+from . import checkpoint as ckpt
+from .config import ConfigError, VQLCMDConfig, repo_path
+from .data import resolve_shards
+from .distributed import any_rank, barrier, init_distributed
+from .optim import build_optimizer, build_scheduler
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class LossModule(nn.Module):
+    """What DeepSpeed wraps: the trained network plus a *reference* to the EMA teacher.
+
+    The teacher is kept out of the module tree (``object.__setattr__``) so that
+    DeepSpeed neither optimises nor partitions it.
+    """
+
+    def __init__(self, net: VQLCMDNetwork, teacher: EMA, schedule, cfg: VQLCMDConfig):
+        super().__init__()
+        self.net = net
+        object.__setattr__(self, "teacher", teacher)
+        self.schedule, self.loss_cfg, self.backend = schedule, cfg.loss, cfg.train.backend
+
+    def forward(self, tokens, labels, generator=None):
+        return training_losses(self.net, self.teacher.module, self.schedule, tokens, labels, self.loss_cfg,
+                               generator=generator, backend=self.backend)
+
+
+class Trainer:
+    def __init__(self, ds_config: dict, cfg: VQLCMDConfig, *, log=print):
+        import deepspeed
+
+        from ..data.loader import ShardLoader
+        from ..data.shards import TokenShardDataset
+
+        self.cfg = cfg
+        self.rank, self.world, self.local_rank, self.device = init_distributed()
+        self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        self.out_dir = repo_path(cfg.train.output_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+
+        # ---- data ----------------------------------------------------------------------------
+        shard_dir, tok_dir = resolve_shards(cfg.data, self.rank, log=self.log)
+        self.dataset = TokenShardDataset(shard_dir)
+        self.tokenizer_dir = tok_dir
+        header = self.dataset.header
+        den_cfg = preset_config(cfg.model.preset, **cfg.model.overrides)
+        den_cfg = self._check_against_shards(den_cfg, header, shard_dir)
+        self.header = header
+
+        # ---- batch sizes (DeepSpeed's keys are the truth; fill in what it can derive) ------------
+        ds = dict(ds_config)
+        micro = ds.get("train_micro_batch_size_per_gpu")
+        gas = ds.get("gradient_accumulation_steps", 1)
+        if micro is None:
+            if "train_batch_size" not in ds:
+                raise ConfigError("set train_micro_batch_size_per_gpu or train_batch_size in the config")
+            micro = ds["train_batch_size"] // (gas * self.world)
+        ds["train_micro_batch_size_per_gpu"] = micro
+        ds["gradient_accumulation_steps"] = gas
+        ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
+        ds.setdefault("zero_allow_untested_optimizer", True)  # torch AdamW as the client optimizer
+        ds.setdefault("steps_per_print", 10**9)  # our own logging
+        self.micro, self.gas = micro, gas
+        self.bf16 = bool(ds.get("bf16", {}).get("enabled", False))
+
+        # ---- model, EMAs, optimizer -------------------------------------------------------------
+        torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+        net = VQLCMDNetwork(den_cfg, frozen_embeddings=cfg.embedding.frozen,
+                            l2_normalize=cfg.embedding.l2_normalize)
+        self.teacher = EMA(net, cfg.ema.teacher)
+        self.sampling_ema = EMA(net, cfg.ema.sampling)
+        self.schedule = ShiftedCosineSchedule(cfg.schedule.shift, cfg.schedule.t_min)
+        module = LossModule(net, self.teacher, self.schedule, cfg).to(self.device)
+        self.teacher.module.to(self.device)
+        self.sampling_ema.module.to(self.device)
+        if cfg.train.compile:
+            net.denoiser = torch.compile(net.denoiser)
+        optimizer = build_optimizer(module.parameters(), cfg.optimizer, self.device)
+        scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    config=ds)
+        self.net: VQLCMDNetwork = self.engine.module.net
+        self.loader = ShardLoader(self.dataset, micro, rank=self.rank, world_size=self.world, seed=cfg.train.seed)
+        # per-rank stream for t, s, ε, drop masks: reproducible and saved with checkpoints
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 1000 + self.rank)
+        self.step = 0
+        attn = attention_backend_for(torch.empty(1, 1, 1, 8, device=self.device,
+                                                 dtype=torch.bfloat16 if self.bf16 else torch.float32),
+                                     den_cfg.attn_dropout)
+        self.log(f"vqlcmd: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters, preset "
+                 f"{cfg.model.preset}, K={den_cfg.codebook_size} M={den_cfg.seq_len} D={den_cfg.embed_dim}, "
+                 f"{self.world} rank(s) x micro-batch {micro} x accumulation {gas}, ZeRO stage "
+                 f"{ds.get('zero_optimization', {}).get('stage', 0)}, {'bf16' if self.bf16 else 'fp32'}, "
+                 f"attention {attn}, device {self.device}")
+        self.tb = None
+        if self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps({**ds, "vqlcmd": cfg.to_dict()}, indent=2))
+            self.tb = SummaryWriter(str(self.out_dir / "tb"))
+        self.resolved_config = {**ds, "vqlcmd": cfg.to_dict()}
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _check_against_shards(self, den_cfg, header: dict, shard_dir: Path):
+        K, grid = int(header["codebook_size"]), header["grid"]
+        M = int(grid[0]) * int(grid[1])
+        C = int(header.get("num_classes") or 0)
+        over = self.cfg.model.overrides
+        for key, value in (("codebook_size", K), ("seq_len", M)):
+            if key in over and over[key] != value:
+                raise ConfigError(f"vqlcmd.model.overrides.{key}={over[key]} but the shards in {shard_dir} hold "
+                                  f"{key}={value} (tokenizer {header.get('tokenizer_id')})")
+        if den_cfg.codebook_size != K or den_cfg.seq_len != M:
+            raise ConfigError(
+                f"preset {self.cfg.model.preset!r} expects codebook_size={den_cfg.codebook_size} and "
+                f"{den_cfg.seq_len} tokens per image, but the shards in {shard_dir} hold codebook_size={K} and "
+                f"{M} tokens (tokenizer {header.get('tokenizer_id')}); use a matching preset or shards")
+        if den_cfg.num_classes not in (0, C):
+            raise ConfigError(f"preset {self.cfg.model.preset!r} has {den_cfg.num_classes} classes but the shards in "
+                              f"{shard_dir} have {C}; set vqlcmd.model.overrides.num_classes")
+        if self.cfg.data.tokenizer:
+            from ..tokenizer import load_tokenizer
+
+            tok = load_tokenizer(repo_path(self.cfg.data.tokenizer))
+            if tok.identifier != header.get("tokenizer_id"):
+                raise ConfigError(f"vqlcmd.data.tokenizer {self.cfg.data.tokenizer} has identifier {tok.identifier} "
+                                  f"but the shards in {shard_dir} were made by {header.get('tokenizer_id')}")
+        return den_cfg
+
+    # ---- one step -----------------------------------------------------------------------------
+    def train_step(self, batches) -> dict:
+        terms = {}
+        for _ in range(self.gas):
+            tokens, labels = next(batches)
+            tokens, labels = tokens.to(self.device), labels.to(self.device)
+            if self.net.config.num_classes == 0:
+                labels = None
+            out = self.engine(tokens, labels, self.generator)
+            bad = [k for k, v in out.items() if not torch.isfinite(v).all()]
+            if any_rank(bool(bad), self.device):
+                raise NonFiniteLossError(
+                    f"non-finite loss at step {self.step + 1}: term(s) {', '.join(bad) or '(on another rank)'} = "
+                    f"{ {k: float(out[k]) for k in bad} }; stopping without saving (the last checkpoint in "
+                    f"{self.ckpt_dir} is intact)")
+            self.engine.backward(out["loss"])
+            self.engine.step()
+            for k, v in out.items():
+                terms[k] = terms.get(k, 0.0) + float(v.detach()) / self.gas
+        self.teacher.update(self.net)
+        self.sampling_ema.update(self.net)
+        self.step += 1
+        return terms
+
+    def train(self, progress: bool = True, until: Optional[int] = None) -> list[dict]:
+        """Train to ``train.steps`` (or stop early at step ``until``, saving a checkpoint there, as a
+        preempted job would); resumes from the latest checkpoint when ``train.resume``."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg.train
+        if cfg.resume:
+            self.load()
+        stop = cfg.steps if until is None else min(until, cfg.steps)
+        history = []
+        batches = self.loader.forever()
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress or self.rank != 0, desc="train",
+                   dynamic_ncols=True)
+        t_last, step_last = time.perf_counter(), self.step
+        while self.step < stop:
+            terms = self.train_step(batches)
+            history.append({"step": self.step, **terms})
+            bar.update(1)
+            bar.set_postfix({k: f"{v:.3g}" for k, v in terms.items()})
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                now = time.perf_counter()
+                rate = (self.step - step_last) * self.micro * self.gas * self.world / max(now - t_last, 1e-9)
+                t_last, step_last = now, self.step
+                self._log_scalars(terms, rate)
+            if cfg.sample_every and self.step % cfg.sample_every == 0 and self.step != cfg.steps:
+                self.save_sample_grid()
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step != cfg.steps:
+                self.save()
+        bar.close()
+        self.save()
+        return history
+
+    def _log_scalars(self, terms: dict, images_per_s: float) -> None:
+        if self.tb is None:
+            return
+        for k, v in terms.items():
+            self.tb.add_scalar(f"loss/{k}", v, self.step)
+        gn = self.engine.get_global_grad_norm()
+        if gn is not None:
+            self.tb.add_scalar("train/grad_norm", float(gn), self.step)
+        self.tb.add_scalar("train/lr", self.engine.get_lr()[0], self.step)
+        self.tb.add_scalar("train/images_per_s", images_per_s, self.step)
+        self.tb.add_scalar("train/tokens_per_s", images_per_s * self.net.config.seq_len, self.step)
+        K = self.net.config.codebook_size
+        self.tb.add_scalar("embedding/collapse_indicator", collapse_indicator(self.net.embedding.table()[:K]),
+                           self.step)
+        self.tb.flush()
+
+    # ---- samples, pipeline --------------------------------------------------------------------
+    def pipeline(self) -> VQLCMDPipeline:
+        """The sampling-EMA network as a pipeline (tokenizer attached when known)."""
+        tokenizer, ref = None, {"grid": list(self.header["grid"]), "identifier": self.header.get("tokenizer_id")}
+        if self.tokenizer_dir is not None:
+            from ..tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(self.tokenizer_dir).to(self.device)
+            ref["path"] = str(Path(self.tokenizer_dir).resolve())
+        s = self.cfg.sample
+        return VQLCMDPipeline(self.sampling_ema.module, self.schedule, tokenizer=tokenizer, tokenizer_ref=ref,
+                              class_names=self.header.get("class_names"),
+                              sample_defaults={"num_steps": s.num_steps, "guidance_scale": s.guidance_scale,
+                                               "sampler": s.sampler, "final": s.final},
+                              extra_config={"training_config": self.resolved_config, "step": self.step})
+
+    def save_sample_grid(self, path: Optional[Path] = None) -> Optional[Path]:
+        """Class-conditional grid (a row per class) from the sampling EMA, saved as PNG (rank 0)."""
+        if self.rank != 0 or self.tokenizer_dir is None:
+            return None
+        from torchvision.utils import save_image
+
+        pipe = self.pipeline()
+        s = self.cfg.sample
+        C = self.net.config.num_classes
+        g = torch.Generator(device=self.device).manual_seed(1234)
+        if C > 0:
+            labels = torch.arange(C).repeat_interleave(s.per_class)
+            images = pipe(labels, output_type="pt", generator=g)
+        else:
+            images = pipe(num_images=8 * s.per_class, output_type="pt", generator=g)
+        path = path or self.out_dir / "samples" / f"{ckpt.tag_for(self.step)}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_image(images, str(path), nrow=s.per_class, padding=1)
+        if self.tb is not None:
+            from torchvision.utils import make_grid
+
+            self.tb.add_image("samples", make_grid(images, nrow=s.per_class), self.step)
+        self.log(f"step {self.step}: sample grid -> {path}")
+        return path
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _rank_state(self) -> dict:
+        return {"loader": self.loader.state_dict(), "generator": self.generator.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+
+    def save(self) -> None:
+        tag = ckpt.tag_for(self.step)
+        partial = self.ckpt_dir / f"{tag}.partial"
+        client = {"step": self.step, "teacher": self.teacher.state_dict(),
+                  "sampling_ema": self.sampling_ema.state_dict(), "config": self.resolved_config}
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=partial.name, client_state=client, save_latest=False)
+        torch.save(self._rank_state(), partial / f"rank_{self.rank:05d}_state.pt")
+        barrier()
+        if self.rank == 0:
+            (partial / "config.json").write_text(json.dumps(self.resolved_config, indent=2))
+            final = ckpt.commit(self.ckpt_dir, self.step, self.cfg.train.keep_checkpoints)
+            self.pipeline().save_pretrained(self.out_dir / "pipeline")
+            self.log(f"step {self.step}: checkpoint -> {final}; pipeline -> {self.out_dir / 'pipeline'}")
+        barrier()
+
+    def load(self) -> bool:
+        tag = ckpt.latest_tag(self.ckpt_dir)
+        if tag is None:
+            return False
+        _, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+        if client is None:
+            raise RuntimeError(f"checkpoint {self.ckpt_dir / tag} could not be loaded")
+        self.step = int(client["step"])
+        self.teacher.load_state_dict(client["teacher"])
+        self.sampling_ema.load_state_dict(client["sampling_ema"])
+        rank_file = self.ckpt_dir / tag / f"rank_{self.rank:05d}_state.pt"
+        if not rank_file.is_file():
+            raise RuntimeError(f"{rank_file} is missing: the checkpoint was written by a run with a different "
+                               "number of ranks; resume with the same world size")
+        state = torch.load(rank_file, weights_only=True)
+        self.loader.load_state_dict(state["loader"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        self.log(f"resumed from {self.ckpt_dir / tag} at step {self.step}")
+        return True
