@@ -107,7 +107,8 @@ class Denoiser(nn.Module):
 
     def condition(self, t: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
         # t in [0, 1] scaled to [0, 1000] so the sinusoids resolve small steps (as DDPM-style models do)
-        cond = self.time_mlp(sinusoidal_features(1000.0 * t, self.cfg.time_features))  # (B, W)
+        feats = sinusoidal_features(1000.0 * t, self.cfg.time_features)  # (B, F) float32
+        cond = self.time_mlp(feats.to(self.time_mlp[0].weight.dtype))  # (B, W)
         if self.class_emb is not None:
             if y is None:
                 y = torch.full_like(t, self.null_class, dtype=torch.long)
