@@ -1,0 +1,174 @@
+"""Token shards: round trip, validation of every bad input, multi-shard consistency."""
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from vqlcmd.data.shards import ShardError, TokenShardDataset, open_shard, write_shard
+
+HEADER = dict(codebook_size=50, grid=[2, 3], tokenizer_id="tok-a", num_classes=4, class_names=list("abcd"))
+
+
+def _data(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 50, (n, 2, 3)), rng.integers(0, 4, n)
+
+
+def test_round_trip_and_header(tmp_path):
+    toks, labs = _data()
+    write_shard(tmp_path / "s-0.vqtok", toks, labs, dict(HEADER, source="unit"))
+    write_shard(tmp_path / "s-1.vqtok", toks[:3] + 0, labs[:3], HEADER)
+    ds = TokenShardDataset(tmp_path)
+    assert len(ds) == 13 and ds.seq_len == 6
+    h = ds.header
+    assert (h["codebook_size"], h["grid"], h["tokenizer_id"], h["num_classes"], h["class_names"]) == \
+        (50, [2, 3], "tok-a", 4, list("abcd"))
+    t, y = ds[11]
+    assert t.dtype == torch.int64 and t.shape == (6,) and y.dtype == torch.int64
+    assert t.tolist() == toks[1].reshape(-1).tolist() and int(y) == labs[1]
+    bt, by = ds.gather([0, 12, 5])
+    assert bt.shape == (3, 6) and bt.dtype == torch.int64
+    assert bt[1].tolist() == toks[2].reshape(-1).tolist() and by.tolist() == [labs[0], labs[2], labs[5]]
+    at, al = ds.arrays()
+    assert at.shape == (13, 6) and at.dtype == np.uint16 and al.dtype == np.int64
+
+
+def test_torch_input_and_flat_tokens(tmp_path):
+    toks, labs = _data()
+    write_shard(tmp_path / "s.vqtok", torch.from_numpy(toks).reshape(10, 6), torch.from_numpy(labs), HEADER)
+    s = open_shard(tmp_path / "s.vqtok")
+    assert isinstance(s.tokens, np.memmap) and s.tokens.dtype == np.uint16
+
+
+def test_write_is_atomic_no_temp_left(tmp_path):
+    write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.vqtok"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(tokens=np.full((2, 6), 50)), r"token ids must lie in \[0, 50\).*max 50"),
+    (dict(tokens=np.full((2, 6), -1)), r"min -1"),
+    (dict(labels=np.array([0, 4])), r"labels must lie in \[0, 4\).*max 4"),
+    (dict(labels=np.array([-1, 0])), r"labels.*min -1"),
+    (dict(tokens=np.zeros((2, 6), np.float32)), r"tokens must be integers, got dtype float32"),
+    (dict(labels=np.zeros(2, bool)), r"labels must be integers, got dtype bool"),
+    (dict(tokens=np.zeros((2, 5), np.int64)), r"tokens must be \(N, 2, 3\)"),
+    (dict(labels=np.zeros(3, np.int64)), r"labels must be \(2,\)"),
+])
+def test_write_rejects_bad_inputs(tmp_path, bad, match):
+    args = dict(tokens=np.zeros((2, 6), np.int64), labels=np.zeros(2, np.int64))
+    args.update(bad)
+    with pytest.raises(ShardError, match=match) as e:
+        write_shard(tmp_path / "bad.vqtok", args["tokens"], args["labels"], HEADER)
+    assert "bad.vqtok" in str(e.value)
+    assert not (tmp_path / "bad.vqtok").exists()
+
+
+def test_write_rejects_bad_header_and_suffix(tmp_path):
+    with pytest.raises(ShardError, match="lacks.*tokenizer_id"):
+        write_shard(tmp_path / "a.vqtok", *_data(), {k: v for k, v in HEADER.items() if k != "tokenizer_id"})
+    with pytest.raises(ShardError, match="3 class names for num_classes=4"):
+        write_shard(tmp_path / "a.vqtok", *_data(), dict(HEADER, class_names=list("abc")))
+    with pytest.raises(ShardError, match="does not fit uint16"):
+        write_shard(tmp_path / "a.vqtok", *_data(), dict(HEADER, codebook_size=70000))
+    with pytest.raises(ValueError, match="must end in .vqtok"):
+        write_shard(tmp_path / "a.npy", *_data(), HEADER)
+
+
+def _raw(path):
+    b = path.read_bytes()
+    (n,) = struct.unpack("<Q", b[8:16])
+    return b, n
+
+
+def test_truncated_shard(tmp_path):
+    p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    b, _ = _raw(p)
+    p.write_bytes(b[:-7])
+    with pytest.raises(ShardError, match=r"s\.vqtok: file truncated"):
+        TokenShardDataset(tmp_path)
+    p.write_bytes(b[:20])
+    with pytest.raises(ShardError, match="header length .* does not fit"):
+        open_shard(p)
+
+
+def test_trailing_bytes_and_bad_magic(tmp_path):
+    p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    b, _ = _raw(p)
+    p.write_bytes(b + b"xx")
+    with pytest.raises(ShardError, match="trailing bytes"):
+        open_shard(p)
+    p.write_bytes(b"PK\x03\x04" + b[4:])
+    with pytest.raises(ShardError, match="not a token shard"):
+        open_shard(p)
+
+
+def test_corrupt_data_fails_the_checksum(tmp_path):
+    p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    b, n = _raw(p)
+    b = bytearray(b)
+    b[16 + n + 3] ^= 0x01  # one flipped bit inside the token array, still a valid id
+    p.write_bytes(bytes(b))
+    with pytest.raises(ShardError, match=r"s\.vqtok: checksum mismatch"):
+        open_shard(p)
+    assert len(open_shard(p, verify=False)) == 10  # without verification it opens (caller's choice)
+
+
+def test_corrupt_header_json(tmp_path):
+    p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    b, n = _raw(p)
+    p.write_bytes(b[:16] + b"{" * n + b[16 + n:])
+    with pytest.raises(ShardError, match="header is not valid JSON"):
+        open_shard(p)
+
+
+def _edit_header(path, **changes):
+    b, n = _raw(path)
+    h = json.loads(b[16:16 + n])
+    h.update(changes)
+    body = json.dumps(h).encode()
+    assert len(body) <= n
+    path.write_bytes(b[:16] + body + b" " * (n - len(body)) + b[16 + n:])
+
+
+def test_out_of_range_ids_in_a_written_file(tmp_path):
+    # ids valid for K=50 but the header claims K=10: caught on opening, naming the shard
+    p = write_shard(tmp_path / "s.vqtok", np.full((2, 6), 40), np.zeros(2, np.int64), HEADER)
+    _edit_header(p, codebook_size=10)
+    with pytest.raises(ShardError, match=r"s\.vqtok: token ids must lie in \[0, 10\)"):
+        open_shard(p)
+
+
+def test_wrong_dtype_in_header(tmp_path):
+    p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    _edit_header(p, tokens_dtype="int32")
+    with pytest.raises(ShardError, match="expected uint16 tokens"):
+        open_shard(p)
+
+
+@pytest.mark.parametrize("key, value", [("tokenizer_id", "tok-b"), ("codebook_size", 60), ("grid", [3, 2]),
+                                        ("class_names", list("abce"))])
+def test_header_mismatch_between_shards(tmp_path, key, value):
+    write_shard(tmp_path / "s-0.vqtok", *_data(), HEADER)
+    toks, labs = _data()
+    write_shard(tmp_path / "s-1.vqtok", toks.reshape(len(toks), -1), labs, dict(HEADER, **{key: value}))
+    with pytest.raises(ShardError, match=rf"s-1\.vqtok: header mismatch on '{key}'.*s-0\.vqtok"):
+        TokenShardDataset(tmp_path)
+
+
+def test_missing_or_empty_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no"):
+        TokenShardDataset(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        TokenShardDataset(tmp_path / "nowhere")
+
+
+def test_unconditional_shard_uses_label_zero(tmp_path):
+    write_shard(tmp_path / "u.vqtok", np.zeros((3, 6), np.int64), np.zeros(3, np.int64),
+                dict(HEADER, num_classes=0, class_names=[]))
+    assert TokenShardDataset(tmp_path).num_classes == 0
+    with pytest.raises(ShardError, match=r"labels must lie in \[0, 1\)"):
+        write_shard(tmp_path / "v.vqtok", np.zeros((2, 6), np.int64), np.ones(2, np.int64),
+                    dict(HEADER, num_classes=0, class_names=[]))

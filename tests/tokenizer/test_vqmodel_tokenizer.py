@@ -1,0 +1,89 @@
+"""The diffusers VQModel tokenizer backend and the small trainable tokenizer."""
+import json
+
+import pytest
+import torch
+
+from vqlcmd.tokenizer import TrainConfig, load_tokenizer, small_vqmodel, train_vqmodel
+from vqlcmd.tokenizer.small import _reinit_dead_codes
+
+
+def _tiny(channels=3):
+    torch.manual_seed(0)
+    return small_vqmodel(channels=channels, image_size=16, block_channels=(8, 16), codebook_size=16, code_dim=4,
+                         groups=4)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vq") / "tok"
+    _tiny().save_pretrained(str(path))
+    return path
+
+
+def test_encode_decode_contract(folder):
+    tok = load_tokenizer(folder)
+    assert tok.grid == (8, 8) and tok.codebook_size == 16 and tok.channels == 3 and tok.image_size == (16, 16)
+    x = torch.rand(3, 3, 16, 16) * 2 - 1
+    ids = tok.encode(x)
+    assert ids.shape == (3, 8, 8) and ids.dtype == torch.int64 and 0 <= ids.min() and ids.max() < 16
+    # same ids as diffusers' own quantizer
+    ref = tok.model.quantize(tok.model.encode(x).latents)[2][2].reshape(3, 8, 8)
+    assert (ids == ref).float().mean() > 0.99
+    y = tok.decode(ids)
+    assert y.shape == (3, 3, 16, 16) and y.min() >= -1 and y.max() <= 1
+    torch.testing.assert_close(tok.decode(ids.reshape(3, 64).int()), y)  # flat and int32 ids accepted
+
+
+def test_identifier_is_stable_and_tracks_weights(folder, tmp_path):
+    a, b = load_tokenizer(folder), load_tokenizer(folder)
+    assert a.identifier == b.identifier and a.identifier.startswith("vqmodel-")
+    m = _tiny()
+    with torch.no_grad():
+        m.quantize.embedding.weight[0, 0] += 1e-3
+    m.save_pretrained(str(tmp_path / "other"))
+    assert load_tokenizer(tmp_path / "other").identifier != a.identifier
+
+
+def test_missing_and_wrong_folders(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer folder .*nowhere.* does not exist"):
+        load_tokenizer(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty.* has no config.json"):
+        load_tokenizer(tmp_path / "empty")
+    (tmp_path / "kl").mkdir()
+    (tmp_path / "kl" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL"}))
+    with pytest.raises(ValueError, match="holds a AutoencoderKL, not a VQModel"):
+        load_tokenizer(tmp_path / "kl")
+
+
+def test_bad_inputs(folder):
+    tok = load_tokenizer(folder)
+    with pytest.raises(TypeError, match="floating-point"):
+        tok.encode(torch.zeros(1, 3, 16, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\(B, 3, H, W\)"):
+        tok.encode(torch.zeros(1, 1, 16, 16))
+    with pytest.raises(ValueError, match="expects 16x16"):
+        tok.encode(torch.zeros(1, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 16\).*max 16"):
+        tok.decode(torch.full((1, 8, 8), 16))
+    with pytest.raises(TypeError, match="integer"):
+        tok.decode(torch.zeros(1, 8, 8))
+    with pytest.raises(ValueError, match=r"\(B, 8, 8\) or \(B, 64\)"):
+        tok.decode(torch.zeros(1, 7, 8, dtype=torch.long))
+
+
+def test_a_few_training_steps_run_and_revive_dead_codes():
+    m = _tiny(channels=1)
+    x = torch.rand(32, 1, 16, 16) * 2 - 1
+    metrics = train_vqmodel(m, x, TrainConfig(steps=4, batch_size=8, reinit_every=2), progress=False)
+    assert set(metrics) >= {"psnr", "codebook_usage", "codebook_size", "train_seconds"}
+    assert metrics["codebook_size"] == 16 and 1 <= metrics["codebook_usage"] <= 16
+
+
+def test_dead_code_reinit_moves_only_dead_codes():
+    codebook = torch.zeros(4, 2)
+    hits = torch.tensor([3.0, 0.0, 1.0, 0.0])
+    latents = torch.randn(2, 2, 3, 3) + 5
+    n = _reinit_dead_codes(codebook, hits, latents, torch.Generator().manual_seed(0))
+    assert n == 2 and (codebook[[0, 2]] == 0).all() and (codebook[[1, 3]].abs() > 1).all()

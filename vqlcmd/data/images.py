@@ -1,0 +1,136 @@
+"""Image trees: an ImageFolder-style tree (one sub-folder per class) or a flat folder (unconditional).
+
+Both pipelines (``dali.py``, ``pil.py``) consume the file list made here, so they see the same files
+in the same order, and both produce ``(images float32 (B, C, size, size) in [-1, 1], labels (B,))``:
+resize the shorter side to ``size``, centre crop ``size x size``, optional horizontal flip.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+FLIP_MODES = ("none", "always", "random")
+
+
+@dataclass
+class ImageList:
+    root: Path
+    files: list[str]
+    labels: list[int]
+    class_names: list[str]  # [] for a flat folder (unconditional: every label is 0, the null class)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def subset(self, start: int, stop: int) -> "ImageList":
+        return ImageList(self.root, self.files[start:stop], self.labels[start:stop], self.class_names)
+
+
+def list_images(root, *, check: bool = True) -> ImageList:
+    """Files of an image tree in a fixed order (sorted classes, sorted names).
+
+    With ``check``, every file's header is parsed (cheap: no pixel decoding) and files that are not
+    readable images -- empty, garbage, unknown format -- are skipped with one warning naming them.
+    Skipping rather than failing because one bad file in a million-image tree should not stop a
+    tokenization run; the warning and ``ImageList.skipped`` make the loss visible. A file whose header
+    is fine but whose pixel data is truncated fails later, at decoding, with an error naming it.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder {str(root)!r} does not exist")
+    subdirs = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if subdirs:
+        class_names = subdirs
+        pairs = [(str(p), c) for c, name in enumerate(subdirs) for p in _image_files(root / name)]
+    else:
+        class_names = []
+        pairs = [(str(p), 0) for p in _image_files(root)]
+    skipped = []
+    if check:
+        good = []
+        for f, label in pairs:
+            reason = unreadable_reason(f)
+            if reason is None:
+                good.append((f, label))
+            else:
+                skipped.append((f, reason))
+        pairs = good
+        if skipped:
+            names = "; ".join(f"{f} ({r})" for f, r in skipped[:20])
+            more = f" and {len(skipped) - 20} more" if len(skipped) > 20 else ""
+            warnings.warn(f"skipping {len(skipped)} unreadable image(s) under {root}: {names}{more}", stacklevel=2)
+    if not pairs:
+        raise FileNotFoundError(f"image folder {str(root)!r} holds no readable images "
+                                f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
+    return ImageList(root, [f for f, _ in pairs], [c for _, c in pairs], class_names, skipped)
+
+
+def _image_files(folder: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out += [Path(dirpath) / f for f in sorted(filenames)
+                if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
+    return out
+
+
+def unreadable_reason(path) -> str | None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        if os.path.getsize(path) == 0:
+            return "empty file"
+        with Image.open(path) as im:
+            if im.width < 1 or im.height < 1:
+                return "zero-sized image"
+    except UnidentifiedImageError:
+        return "not a recognised image"
+    except OSError as e:
+        return f"cannot read: {e}"
+    return None
+
+
+def resized_shape(h: int, w: int, size: int) -> tuple[int, int]:
+    """(h, w) after resizing the shorter side to ``size`` keeping the aspect ratio, rounding the longer
+    side to nearest; both pipelines use this so their crops line up."""
+    if h <= w:
+        return size, max(size, int(w * size / h + 0.5))
+    return max(size, int(h * size / w + 0.5)), size
+
+
+def image_batches(images: ImageList, size: int, batch_size: int, *, flip: str = "none", seed: int = 0,
+                  backend: str = "auto", channels: int = 3, device=None, num_threads: int = 2):
+    """Batches ``(images (B, channels, size, size) float32 in [-1, 1], labels (B,) int64)`` in list order.
+
+    ``backend``: "dali", "pil" or "auto" (DALI when installed). ``flip``: "none", "always" (the flipped
+    copies of scripts/tokenize.py --flip) or "random" (a fresh coin per image, drawn from ``seed``).
+    """
+    if flip not in FLIP_MODES:
+        raise ValueError(f"flip must be one of {FLIP_MODES}, got {flip!r}")
+    if backend == "auto":
+        backend = "dali" if dali_available() else "pil"
+    if backend == "dali":
+        from .dali import dali_batches
+        return dali_batches(images, size, batch_size, flip=flip, seed=seed, channels=channels, device=device,
+                            num_threads=num_threads)
+    if backend == "pil":
+        from .pil import pil_batches
+        return pil_batches(images, size, batch_size, flip=flip, seed=seed, channels=channels, device=device,
+                           num_threads=num_threads)
+    raise ValueError(f"unknown image backend {backend!r} (use 'dali', 'pil' or 'auto')")
+
+
+def dali_available() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True

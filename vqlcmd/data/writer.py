@@ -1,0 +1,72 @@
+"""Images -> token shards, restartable.
+
+Shard ``i`` holds samples ``[i * shard_size, (i + 1) * shard_size)`` of a fixed source order, so a
+rerun knows which shards exist (and are valid, for this tokenizer) and only makes the missing ones.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from .shards import SUFFIX, ShardError, open_shard, write_shard
+
+BatchSource = Callable[[int, int], Iterable[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def shard_path(out_dir, index: int, prefix: str = "shard") -> Path:
+    return Path(out_dir) / f"{prefix}-{index:05d}{SUFFIX}"
+
+
+def _is_done(path: Path, header: dict, count: int) -> bool:
+    if not path.exists():
+        return False
+    try:
+        s = open_shard(path)
+    except ShardError:
+        return False  # a corrupt or foreign leftover is redone, not trusted
+    same = all(s.header.get(k) == v for k, v in header.items() if k in ("tokenizer_id", "grid", "codebook_size",
+                                                                         "num_classes", "class_names", "flipped"))
+    return same and len(s) == count
+
+
+def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, header: dict, *,
+                       shard_size: int = 10000, prefix: str = "shard", progress: bool = True,
+                       log: Callable[[str], None] = print) -> dict:
+    """Tokenizes ``count`` samples into ``out_dir``; ``batches(start, stop)`` yields
+    ``(images in [-1, 1] (B, C, H, W), labels (B,))`` for samples ``[start, stop)`` in order.
+    Returns counts and throughput. Existing valid shards made by the same tokenizer are kept."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = dict(header, tokenizer_id=tokenizer.identifier, codebook_size=tokenizer.codebook_size,
+                  grid=list(tokenizer.grid))
+    ranges = [(i, s, min(s + shard_size, count)) for i, s in enumerate(range(0, count, shard_size))]
+    todo = [r for r in ranges if not _is_done(shard_path(out_dir, r[0], prefix), header, r[2] - r[1])]
+    if len(todo) < len(ranges):
+        log(f"{out_dir}: keeping {len(ranges) - len(todo)} finished {prefix} shard(s), making {len(todo)}")
+    bar = None
+    if progress and todo:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(b - a for _, a, b in todo), desc=f"tokenize {prefix}", unit="img")
+    t0, done = time.perf_counter(), 0
+    for i, start, stop in todo:
+        toks, labs = [], []
+        for images, labels in batches(start, stop):
+            toks.append(tokenizer.encode(images).reshape(len(images), -1).cpu().numpy().astype(np.uint16))
+            labs.append(labels.cpu().numpy())
+            done += len(images)
+            if bar is not None:
+                bar.update(len(images))
+                bar.set_postfix({"img/s": f"{done / (time.perf_counter() - t0):.0f}"})
+        got = sum(len(l) for l in labs)
+        if got != stop - start:
+            raise RuntimeError(f"source gave {got} samples for shard {i} ({start}..{stop}), expected {stop - start}")
+        write_shard(shard_path(out_dir, i, prefix), np.concatenate(toks), np.concatenate(labs), header)
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    return {"shards": len(ranges), "written": len(todo), "images": done, "seconds": seconds,
+            "images_per_s": done / seconds if done and seconds > 0 else 0.0}

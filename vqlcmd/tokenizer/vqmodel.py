@@ -1,0 +1,98 @@
+"""Tokenizer backend over a diffusers ``VQModel`` saved in a local folder (no network)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .base import Tokenizer
+
+# Config keys that describe where or with what a model was saved, not what it computes.
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "_diffusers_version", "_class_name", "_use_default_values")
+
+
+def model_identifier(model) -> str:
+    """Stable id of a VQModel: hash of its architecture config and every weight, so that two folders
+    holding the same model agree and any retrained or edited model differs."""
+    h = hashlib.sha256()
+    config = {k: v for k, v in dict(model.config).items() if k not in _VOLATILE_CONFIG_KEYS}
+    h.update(json.dumps(config, sort_keys=True, default=list).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return "vqmodel-" + h.hexdigest()[:16]
+
+
+class VQModelTokenizer(Tokenizer):
+    def __init__(self, model, identifier: str | None = None):
+        self.model = model.eval().requires_grad_(False)
+        cfg = model.config
+        factor = 2 ** (len(cfg.block_out_channels) - 1)
+        size = int(cfg.sample_size) if not isinstance(cfg.sample_size, (list, tuple)) else cfg.sample_size[0]
+        self.image_size = (size, size)
+        self.grid = (size // factor, size // factor)
+        self.downsample = factor
+        self.channels = int(cfg.in_channels)
+        self.codebook_size = int(cfg.num_vq_embeddings)
+        self.identifier = identifier or model_identifier(model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device) -> "VQModelTokenizer":
+        self.model.to(device)
+        return self
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        self.check_images(images)
+        if tuple(images.shape[2:]) != self.image_size:
+            raise ValueError(f"tokenizer {self.identifier}: expects {self.image_size[0]}x{self.image_size[1]} "
+                             f"images, got {images.shape[2]}x{images.shape[3]}")
+        h = self.model.encode(images.to(self.device, torch.float32)).latents  # (B, D, h, w)
+        return nearest_codes(h, self.model.quantize.embedding.weight)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = self.check_tokens(tokens).to(self.device)
+        b, h, w = tokens.shape
+        quant = self.model.quantize.embedding(tokens).permute(0, 3, 1, 2)  # (B, D, h, w)
+        images = self.model.decode(quant, force_not_quantize=True).sample
+        return images.clamp(-1, 1)
+
+
+def nearest_codes(latents: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """latents (B, D, h, w), codebook (K, D) -> ids (B, h, w) int64 of the nearest code (squared L2).
+    Expanded form instead of cdist: same argmin, and it does not build a (B*h*w, K) sqrt."""
+    b, d, h, w = latents.shape
+    z = latents.permute(0, 2, 3, 1).reshape(-1, d)
+    dist = (z * z).sum(1, keepdim=True) - 2 * z @ codebook.t() + (codebook * codebook).sum(1)[None]
+    return dist.argmin(1).reshape(b, h, w)
+
+
+def load_vqmodel(path: str | os.PathLike):
+    from diffusers import VQModel
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} does not exist (expected a diffusers VQModel "
+                                "folder with config.json and weights; see scripts/train_tokenizer.py or "
+                                "vqlcmd.tokenizer.convert_taming_checkpoint)")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} has no config.json; it is not a diffusers "
+                                "VQModel folder")
+    cls = json.loads((folder / "config.json").read_text()).get("_class_name", "VQModel")
+    if cls != "VQModel":
+        raise ValueError(f"tokenizer folder {str(folder)!r} holds a {cls}, not a VQModel")
+    return VQModel.from_pretrained(str(folder), local_files_only=True)
+
+
+def load_tokenizer(path: str | os.PathLike, device="cpu") -> VQModelTokenizer:
+    """The tokenizer saved in a local diffusers VQModel folder."""
+    return VQModelTokenizer(load_vqmodel(path)).to(device)
