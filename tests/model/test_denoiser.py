@@ -71,6 +71,16 @@ def test_paper_presets_parameter_counts():
     assert set(PAPER_PARAMETERS) <= set(PRESETS)
 
 
+def test_apex_layernorm_switch_says_what_is_missing():
+    try:
+        import apex  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="apex is not installed"):
+            build_denoiser("tiny", norm_impl="apex")
+    with pytest.raises(ValueError, match="norm_impl"):
+        build_denoiser("tiny", norm_impl="fast")
+
+
 def test_attention_dropout_only_in_training(gen):
     model = build_denoiser("tiny", attn_dropout=0.5)
     z = torch.randn(2, 16, 8, generator=gen)

@@ -33,6 +33,8 @@ class DenoiserConfig:
     attn_dropout: float = 0.1
     time_features: int = 256
     attention_backend: str = "auto"
+    # "torch": nn.LayerNorm; "apex": NVIDIA apex's FusedLayerNorm (optional install, not on the package index)
+    norm_impl: str = "torch"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,12 +48,25 @@ def sinusoidal_features(x: torch.Tensor, dim: int, max_period: float = 10000.0) 
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
+def layer_norm(width: int, impl: str) -> nn.Module:
+    if impl == "torch":
+        return nn.LayerNorm(width, elementwise_affine=False)
+    if impl == "apex":
+        try:
+            from apex.normalization import FusedLayerNorm
+        except ImportError as exc:
+            raise ImportError("norm_impl='apex' but NVIDIA apex is not installed (build it from source, "
+                              "or use norm_impl='torch')") from exc
+        return FusedLayerNorm(width, elementwise_affine=False)
+    raise ValueError(f"norm_impl must be 'torch' or 'apex', got {impl!r}")
+
+
 class AdaLayerNorm(nn.Module):
     """``(1 + a) LayerNorm(h) + b`` with (a, b) a linear map of the condition (zero-initialised)."""
 
-    def __init__(self, width: int, cond_dim: int):
+    def __init__(self, width: int, cond_dim: int, norm_impl: str = "torch"):
         super().__init__()
-        self.norm = nn.LayerNorm(width, elementwise_affine=False)
+        self.norm = layer_norm(width, norm_impl)
         self.to_ab = nn.Linear(cond_dim, 2 * width)
         nn.init.zeros_(self.to_ab.weight)
         nn.init.zeros_(self.to_ab.bias)
@@ -68,10 +83,10 @@ class Block(nn.Module):
         self.heads = cfg.heads
         self.attn_dropout = cfg.attn_dropout
         self.attention_backend = cfg.attention_backend
-        self.norm1 = AdaLayerNorm(w, w)
+        self.norm1 = AdaLayerNorm(w, w, cfg.norm_impl)
         self.qkv = nn.Linear(w, 3 * w)
         self.proj = nn.Linear(w, w)
-        self.norm2 = AdaLayerNorm(w, w)
+        self.norm2 = AdaLayerNorm(w, w, cfg.norm_impl)
         hidden = int(cfg.mlp_ratio * w)
         self.mlp = nn.Sequential(nn.Linear(w, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, w))
 
@@ -98,7 +113,7 @@ class Denoiser(nn.Module):
         self.time_mlp = nn.Sequential(nn.Linear(cfg.time_features, w), nn.SiLU(), nn.Linear(w, w))
         self.class_emb = nn.Embedding(cfg.num_classes + 1, w) if cfg.num_classes > 0 else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
-        self.final_norm = AdaLayerNorm(w, w)
+        self.final_norm = AdaLayerNorm(w, w, cfg.norm_impl)
         self.head = nn.Linear(w, cfg.codebook_size)
 
     @property
