@@ -73,8 +73,10 @@ def dali_batches(images: ImageList, size: int, batch_size: int, *, flip: str = "
                 out_imgs, out_labs = p.run()
             except RuntimeError as e:
                 batch = images.files[done:done + bs]
-                raise RuntimeError(f"DALI failed on a batch of {len(batch)} images starting with {batch[0]}: "
-                                   f"{e}\n(the PIL backend names the exact file: --backend pil)") from e
+                # DALI's own message names the sample that failed ("Failed to decode sample #i : path")
+                raise RuntimeError(f"DALI failed on the batch of {len(batch)} images starting with {batch[0]}: {e}\n"
+                                   "(list_images(check='decode') or scripts/tokenize.py --check-images decode "
+                                   "skips such files up front)") from e
             take = min(bs, n - done)
             x = _to_torch(out_imgs, device)[:take]
             y = torch.from_numpy(np.array(out_labs.as_tensor())).reshape(-1)[:take].long()

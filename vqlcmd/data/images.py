@@ -34,15 +34,19 @@ class ImageList:
         return ImageList(self.root, self.files[start:stop], self.labels[start:stop], self.class_names)
 
 
-def list_images(root, *, check: bool = True) -> ImageList:
+def list_images(root, *, check: str = "header") -> ImageList:
     """Files of an image tree in a fixed order (sorted classes, sorted names).
 
-    With ``check``, every file's header is parsed (cheap: no pixel decoding) and files that are not
-    readable images -- empty, garbage, unknown format -- are skipped with one warning naming them.
-    Skipping rather than failing because one bad file in a million-image tree should not stop a
-    tokenization run; the warning and ``ImageList.skipped`` make the loss visible. A file whose header
-    is fine but whose pixel data is truncated fails later, at decoding, with an error naming it.
+    ``check="header"`` parses every file's header (cheap: no pixel decoding) and skips files that are
+    not readable images -- empty, garbage, unknown format, cut off inside the header -- with one
+    warning naming them. Skipping rather than failing because one bad file in a million-image tree
+    should not stop a tokenization run; the warning and ``ImageList.skipped`` make the loss visible.
+    A file whose header is fine but whose pixel data is truncated then fails at decoding, with an
+    error naming it (both pipelines), unless ``check="decode"`` (decode everything up front, slower)
+    skipped it too. ``check="none"`` trusts the tree.
     """
+    if check not in ("none", "header", "decode"):
+        raise ValueError(f"check must be 'none', 'header' or 'decode', got {check!r}")
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {str(root)!r} does not exist")
@@ -54,10 +58,10 @@ def list_images(root, *, check: bool = True) -> ImageList:
         class_names = []
         pairs = [(str(p), 0) for p in _image_files(root)]
     skipped = []
-    if check:
+    if check != "none":
         good = []
         for f, label in pairs:
-            reason = unreadable_reason(f)
+            reason = unreadable_reason(f, decode=check == "decode")
             if reason is None:
                 good.append((f, label))
             else:
@@ -82,7 +86,7 @@ def _image_files(folder: Path) -> list[Path]:
     return out
 
 
-def unreadable_reason(path) -> str | None:
+def unreadable_reason(path, decode: bool = False) -> str | None:
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -91,6 +95,8 @@ def unreadable_reason(path) -> str | None:
         with Image.open(path) as im:
             if im.width < 1 or im.height < 1:
                 return "zero-sized image"
+            if decode:
+                im.load()
     except UnidentifiedImageError:
         return "not a recognised image"
     except OSError as e:
