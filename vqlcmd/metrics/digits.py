@@ -5,10 +5,18 @@ digits only, never on samples, in its input space: images in [0, 1] average-pool
 to 8x8 (the digits' native resolution). Accuracy alone does not separate good
 models (a model that draws one perfect digit per class scores 100%), so the
 within-class spread of the samples is reported relative to the real digits'.
+
+Distribution metrics (the small-scale stand-in for Inception FID and precision/recall): a second
+classifier, a one-hidden-layer MLP fitted on the same real digits, supplies the feature space, as
+Inception's pool layer does for ImageNet: FID and k = 3 precision/recall are computed on its 64
+tanh hidden units against all 1797 real digits. The SVC stays the judge of class accuracy (its
+figures are the ones quoted in VQ-LCMD.md); the MLP gives a smooth, learned space in which
+within-class variety counts, which the SVC's implicit RBF space does not expose.
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 import torch
@@ -55,16 +63,76 @@ def within_class_spread(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(spreads))
 
 
-def evaluate_digit_samples(images: torch.Tensor, labels: torch.Tensor) -> dict:
-    """images (N, 1, H, W) in [0, 1] drawn for ``labels``: accuracy of the independent classifier and
-    within-class spread relative to the real digits (1.0 = as varied as the data)."""
+@lru_cache(maxsize=2)
+def digit_feature_net(size: int = 32):
+    """MLP (64 tanh hidden units) fitted on all real digits; its hidden layer is the FID feature space.
+    Deterministic (fixed seed); ~98% held-out accuracy with the same recipe on an 80/20 split."""
+    from sklearn.neural_network import MLPClassifier
+
+    x, y = _real(size)
+    return MLPClassifier(hidden_layer_sizes=(64,), activation="tanh", alpha=1e-3, max_iter=1000,
+                         random_state=0).fit(x, y)
+
+
+def hidden_features(x: np.ndarray, size: int = 32) -> np.ndarray:
+    """Classifier inputs (N, 64) -> the MLP's hidden activations (N, 64)."""
+    net = digit_feature_net(size)
+    return np.tanh(x @ net.coefs_[0] + net.intercepts_[0])
+
+
+def digit_features(images: torch.Tensor) -> np.ndarray:
+    """images (N, 1, H, W) in [0, 1] -> (N, 64) features for FID and precision/recall."""
+    return hidden_features(features(images), images.shape[-1])
+
+
+@lru_cache(maxsize=2)
+def _real_features(size: int) -> np.ndarray:
+    return hidden_features(_real(size)[0], size)
+
+
+def distribution_metrics(images: torch.Tensor, k: int = 3) -> dict:
+    """Feature-space FID and precision/recall (k-NN) of ``images`` against all real digits."""
+    from .stats import fid_from_features, precision_recall
+
+    fake = digit_features(images)
+    real = _real_features(images.shape[-1])
+    return {"fid": fid_from_features(real, fake), **precision_recall(real, fake, k=k)}
+
+
+def real_reference(size: int = 32, seed: int = 0, k: int = 3) -> dict:
+    """The same distribution metrics between two disjoint, class-stratified halves of the real digits: the
+    floor that finite samples leave (FID of a perfect model at ~900 samples is this, not 0)."""
+    from sklearn.model_selection import train_test_split
+
+    from .stats import fid_from_features, precision_recall
+
+    x, y = _real(size)
+    a, b = train_test_split(np.arange(len(y)), test_size=0.5, random_state=seed, stratify=y)
+    fa, fb = hidden_features(x[a], size), hidden_features(x[b], size)
+    return {"fid": fid_from_features(fa, fb), **precision_recall(fa, fb, k=k), "num_samples": int(len(b))}
+
+
+def evaluate_digit_samples(images: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                           distribution: bool = True) -> dict:
+    """images (N, 1, H, W) in [0, 1], drawn for ``labels`` when the model is conditional.
+
+    Returns ``accuracy`` (the SVC's, conditional samples only), ``spread_ratio`` (within-class spread
+    relative to the real digits, 1.0 = as varied as the data; by predicted class when unlabelled), and
+    with ``distribution`` the feature-space ``fid``, ``precision`` and ``recall`` against the real digits.
+    """
     size = images.shape[-1]
     x = features(images)
-    y = labels.cpu().numpy()
     pred = digit_classifier(size).predict(x)
     real_x, real_y = _real(size)
-    return {
-        "accuracy": float((pred == y).mean()),
-        "spread_ratio": within_class_spread(x, y) / within_class_spread(real_x, real_y),
-        "num_samples": int(len(y)),
-    }
+    out = {"num_samples": int(len(x))}
+    if labels is not None:
+        y = labels.cpu().numpy()
+        if len(y) != len(x):
+            raise ValueError(f"{len(x)} images but {len(y)} labels")
+        out["accuracy"] = float((pred == y).mean())
+    else:
+        y = pred
+    out["spread_ratio"] = within_class_spread(x, y) / within_class_spread(real_x, real_y)
+    if distribution:
+        out.update(distribution_metrics(images))
+    return out
