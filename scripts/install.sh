@@ -10,3 +10,5 @@ PIP="python -m pip install --disable-pip-version-check -q"
 $PIP "torch==2.14.1" "torchvision==0.29.1" setuptools wheel ninja pybind11
 $PIP -r requirements.txt
 $PIP --no-build-isolation --no-deps -e .
+# Say which kernels the build produced (CPU only, or CPU + CUDA for which architectures).
+python -c "from vqlcmd.ops import _compiled; print(_compiled.describe())"

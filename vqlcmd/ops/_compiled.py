@@ -1,14 +1,197 @@
-"""The ``compiled`` backend: ``torch.ops.vqlcmd.*`` from the extension ``vqlcmd._C`` (csrc/)."""
+"""The ``compiled`` backend: ``torch.ops.vqlcmd.*`` from the extension ``vqlcmd._C`` (csrc/).
+
+The schemas and the CPU/CUDA kernels are C++ (csrc/registration.cpp and one
+folder per op); this module adds what torch wants from Python: fake (meta)
+implementations, so ``torch.compile`` traces the ops, and autograd formulas.
+The tensor's device picks the CPU or CUDA kernel through the dispatcher.
+"""
 from __future__ import annotations
 
+import os
 from typing import Optional
+
+import torch
+
+from ._dispatch import register
 
 _IMPORT_ERROR: Optional[str] = None
 try:
-    from vqlcmd import _C  # noqa: F401
+    from vqlcmd import _C
 except ImportError as exc:  # not built: only the reference backend serves
+    _C = None
     _IMPORT_ERROR = f"the C++/CUDA extension vqlcmd._C is not built ({exc}); run `pip install --no-build-isolation -e .`"
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# categorical_kl: emit d KL/d student in the forward, so the backward is one
+# scale (as fused cross-entropy kernels do): one read of the logits fewer, at the
+# price of holding the gradient from forward to backward. 0 recomputes it in the
+# backward from the saved logits instead (lowest memory).
+EMIT_KL_GRAD = os.environ.get("VQLCMD_KL_EMIT_GRAD", "1") != "0"
 
 
 def unavailable() -> Optional[str]:
     return _IMPORT_ERROR
+
+
+def build_info() -> dict:
+    """How the extension was built: CUDA version and architectures, compiler, CPU vectors."""
+    return dict(_C.build_info) if _C is not None else {"built": False, "why": _IMPORT_ERROR}
+
+
+def describe() -> str:
+    if _C is None:
+        return f"compiled backend: unavailable: {_IMPORT_ERROR}"
+    info = build_info()
+    cuda = (f"CUDA kernels (CUDA {info['cuda_version']}, arch {info['cuda_arch_list']})" if info["with_cuda"]
+            else "no CUDA kernels")
+    return f"compiled backend: CPU kernels ({info['cpu_vector']}) + {cuda}; {info['compiler']}"
+
+
+def unsupported(*tensors: torch.Tensor) -> Optional[str]:
+    for x in tensors:
+        if x.is_floating_point() and x.dtype not in KERNEL_DTYPES:
+            return f"compiled kernels take float32, bfloat16 or float16, got {x.dtype} (the reference serves it)"
+    device = tensors[0].device
+    if device.type == "cuda" and not build_info().get("with_cuda", False):
+        return "vqlcmd._C was built without CUDA kernels (no toolkit or VQLCMD_SKIP_CUDA=1 at build time)"
+    if device.type not in ("cpu", "cuda"):
+        return f"compiled kernels run on cpu and cuda, got device {device}"
+    return None
+
+
+def _priority(device: torch.device) -> int:
+    return 10 if device.type == "cpu" else 5
+
+
+# ---- noise_embeddings ------------------------------------------------------------------------
+
+def _philox_seed_offset(generator: Optional[torch.Generator], device: torch.device, numel: int) -> tuple[int, int]:
+    """(seed, offset) for the in-kernel Philox stream, drawn from the torch generator so that a
+    seeded generator reproduces and successive calls differ.
+
+    CUDA generators are Philox already: reuse their seed and advance their offset past the
+    blocks this call uses (no device sync). CPU generators (Mersenne Twister) give a fresh
+    64-bit seed per call.
+    """
+    if device.type == "cuda":
+        gen = generator if generator is not None else torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()]
+        offset = gen.get_offset()
+        blocks = (numel + 3) // 4
+        gen.set_offset(offset + (blocks + 3) // 4 * 4)  # CUDA generators want multiples of 4
+        seed = gen.initial_seed()
+    else:
+        seed = int(torch.randint(-2**63, 2**63 - 1, (), generator=generator, dtype=torch.int64))
+        offset = 0
+    return (seed - 2**64 if seed >= 2**63 else seed), offset
+
+
+def noise_embeddings(tokens, table, alpha, sigma, *, noise=None, drop_mask=None, mask_index=None, generator=None):
+    seed = offset = 0
+    if noise is None:
+        seed, offset = _philox_seed_offset(generator, table.device, tokens.numel() * table.shape[1])
+    elif noise.dtype not in KERNEL_DTYPES:
+        noise = noise.float()
+    return torch.ops.vqlcmd.noise_embeddings(tokens, table, alpha, sigma, noise, drop_mask,
+                                             -1 if mask_index is None else int(mask_index), seed, offset)
+
+
+def _noise_setup_context(ctx, inputs, output):
+    tokens, table, alpha, sigma, noise, drop_mask, mask_index, seed, offset = inputs
+    ctx.save_for_backward(tokens, table, alpha, sigma, noise, drop_mask)
+    ctx.mask_index, ctx.seed, ctx.offset = mask_index, seed, offset
+
+
+def _noise_backward(ctx, grad):
+    tokens, table, alpha, sigma, noise, drop_mask = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    grad_table = grad_alpha = grad_sigma = grad_noise = None
+    if need[1]:  # d z / d table: scatter-add of alpha * grad (the case training needs)
+        grad_table = torch.ops.vqlcmd.noise_embeddings_backward(
+            grad, tokens, drop_mask, ctx.mask_index, alpha, table.shape[0],
+            torch.are_deterministic_algorithms_enabled()).to(table.dtype)
+    if need[2]:  # rare: plain PyTorch, alpha is not learned in VQ-LCMD
+        ids = tokens.long() if drop_mask is None else torch.where(drop_mask, ctx.mask_index, tokens.long())
+        grad_alpha = (grad.float() * table[ids].float()).sum((1, 2)).to(alpha.dtype)
+    if need[3]:
+        eps = noise
+        if eps is None:  # the counter-based stream regenerates the drawn noise
+            zeros, ones = torch.zeros_like(alpha), torch.ones_like(sigma)
+            eps = torch.ops.vqlcmd.noise_embeddings(tokens, table, zeros, ones, None, drop_mask, ctx.mask_index,
+                                                    ctx.seed, ctx.offset)
+        grad_sigma = (grad.float() * eps.float()).sum((1, 2)).to(sigma.dtype)
+    if noise is not None and need[4]:
+        grad_noise = (grad.float() * sigma.float()[:, None, None]).to(noise.dtype)
+    return None, grad_table, grad_alpha, grad_sigma, grad_noise, None, None, None, None
+
+
+# ---- ddim_teacher_step -----------------------------------------------------------------------
+
+def ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s):
+    with torch.no_grad():  # the teacher is a fixed target (VQ-LCMD.md step 4)
+        return torch.ops.vqlcmd.ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
+
+
+# ---- categorical_kl --------------------------------------------------------------------------
+
+def categorical_kl(teacher_logits, student_logits):
+    emit = EMIT_KL_GRAD and student_logits.requires_grad and torch.is_grad_enabled()
+    kl, _ = torch.ops.vqlcmd.categorical_kl(teacher_logits.detach(), student_logits, emit)
+    return kl
+
+
+def _kl_setup_context(ctx, inputs, output):
+    teacher, student, emit_grad = inputs
+    kl, grad = output
+    ctx.mark_non_differentiable(grad)
+    ctx.emit_grad = emit_grad
+    ctx.save_for_backward(grad if emit_grad else None, None if emit_grad else teacher,
+                          None if emit_grad else student)
+
+
+def _kl_backward(ctx, grad_kl, _grad_of_grad):
+    grad, teacher, student = ctx.saved_tensors
+    if ctx.emit_grad:  # forward wrote q - p already: the chain rule is a per-row scale
+        grad_student = (grad.float() * grad_kl.float()[..., None]).to(grad.dtype)
+    else:
+        grad_student = torch.ops.vqlcmd.categorical_kl_backward(grad_kl, teacher, student)
+    return None, grad_student, None
+
+
+# ---- torch.library: fake implementations and autograd ------------------------------------------
+
+def _register_library() -> None:
+    lib = "vqlcmd::"
+
+    @torch.library.register_fake(lib + "noise_embeddings")
+    def _(tokens, table, alpha, sigma, noise, drop_mask, mask_index, seed, offset):
+        return table.new_empty((tokens.shape[0], tokens.shape[1], table.shape[1]))
+
+    @torch.library.register_fake(lib + "noise_embeddings_backward")
+    def _(grad, tokens, drop_mask, mask_index, alpha, num_rows, deterministic):
+        return grad.new_empty((num_rows, grad.shape[2]), dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "ddim_teacher_step")
+    def _(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s):
+        return z_t.new_empty((tokens.shape[0], tokens.shape[1], table.shape[1]))
+
+    @torch.library.register_fake(lib + "categorical_kl")
+    def _(teacher, student, emit_grad):
+        kl = teacher.new_empty(teacher.shape[:-1], dtype=torch.float32)
+        return kl, student.new_empty(student.shape if emit_grad else (0,))
+
+    @torch.library.register_fake(lib + "categorical_kl_backward")
+    def _(grad_kl, teacher, student):
+        return student.new_empty(student.shape)
+
+    torch.library.register_autograd(lib + "noise_embeddings", _noise_backward, setup_context=_noise_setup_context)
+    torch.library.register_autograd(lib + "categorical_kl", _kl_backward, setup_context=_kl_setup_context)
+
+
+if _C is not None:
+    _register_library()
+
+for _op, _fn in (("noise_embeddings", noise_embeddings), ("ddim_teacher_step", ddim_teacher_step),
+                 ("categorical_kl", categorical_kl)):
+    register(_op, "compiled", _fn, unavailable=unavailable, unsupported=unsupported, priority=_priority)

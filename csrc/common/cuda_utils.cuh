@@ -1,0 +1,57 @@
+// CUDA helpers shared by the .cu files: packed loads, launch sizes, and the
+// device-side flag that turns an out-of-range token id into a host error.
+#pragma once
+
+// c10 headers only: ATen/cuda/CUDAContext.h would pull in cuBLAS and cuSPARSE
+// headers, which a bare CUDA toolkit (like CI's) does not ship.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace vqlcmd::cuda {
+
+// Four consecutive elements moved as one aligned load or store (16 bytes for
+// fp32, 8 for bf16/fp16): fewer memory instructions, full sectors per warp.
+template <typename T>
+struct alignas(4 * sizeof(T)) Pack4 {
+  T v[4];
+};
+
+template <typename T>
+inline bool aligned4(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+}
+
+constexpr int kThreads = 256;
+
+// Grid for a grid-stride loop over `work` items: enough blocks to fill the GPU,
+// never more than the work needs.
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline int blocks_for(int64_t work) {
+  const int64_t need = (work + kThreads - 1) / kThreads;
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  const int64_t fill = static_cast<int64_t>(sms) * 16;
+  return static_cast<int>(std::max<int64_t>(1, std::min(need, fill)));
+}
+
+// Kernels that meet an id outside the table skip the read, write NaN and raise
+// this flag; the launcher turns it into an error (kernels must not crash or
+// read out of bounds on bad ids). Reading it costs one device sync per call.
+struct BadIdFlag {
+  at::Tensor flag;
+  explicit BadIdFlag(const at::Device& device)
+      : flag(at::zeros({1}, at::TensorOptions().device(device).dtype(at::kInt))) {}
+  int* ptr() { return flag.data_ptr<int>(); }
+  void check(const char* op, int64_t rows) {
+    TORCH_CHECK(flag.item<int>() == 0, op, ": a token id is outside the table's rows [0, ", rows, ")");
+  }
+};
+
+}  // namespace vqlcmd::cuda

@@ -1,0 +1,47 @@
+// Torch-side helpers shared by the CPU and CUDA launchers of every op.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+// The kernels read fp32, bf16 and fp16 and do float32 math (DESIGN.md: float32
+// accumulation for low-precision inputs). float64 is served by the reference
+// backend, which the dispatcher picks for it.
+#define VQLCMD_DISPATCH_FLOAT(TYPE, NAME, ...)                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                   \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace vqlcmd {
+
+inline void check_float_kind(const at::Tensor& x, const char* name) {
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, name,
+              " must be float32, bfloat16 or float16, got ", t);
+}
+
+// Table row of each token after random dropping, flattened to (B*M,), int64.
+// Range is checked by the kernels (they must never read outside the table).
+inline at::Tensor token_rows(const at::Tensor& tokens, const std::optional<at::Tensor>& drop_mask,
+                             int64_t mask_index) {
+  TORCH_CHECK(tokens.dim() == 2, "tokens must be (B, M), got ", tokens.sizes());
+  TORCH_CHECK(tokens.scalar_type() == at::kLong || tokens.scalar_type() == at::kInt,
+              "tokens must be int64 or int32, got ", tokens.scalar_type());
+  at::Tensor rows = tokens.to(at::kLong);
+  if (drop_mask.has_value()) {
+    TORCH_CHECK(drop_mask->scalar_type() == at::kBool, "drop_mask must be bool");
+    TORCH_CHECK(drop_mask->sizes() == tokens.sizes(), "drop_mask must have the shape of tokens");
+    TORCH_CHECK(mask_index >= 0, "drop_mask given without mask_index");
+    rows = at::where(*drop_mask, at::scalar_tensor(mask_index, rows.options()), rows);
+  }
+  return rows.reshape({-1}).contiguous();
+}
+
+// Per-batch coefficients (alpha, sigma, ...) as float32 (B,): tiny, so a copy is free.
+inline at::Tensor per_batch(const at::Tensor& x, int64_t batch, const char* name) {
+  TORCH_CHECK(x.dim() == 1 && x.size(0) == batch, name, " must have shape (", batch, ",), got ", x.sizes());
+  return x.to(at::kFloat).contiguous();
+}
+
+}  // namespace vqlcmd

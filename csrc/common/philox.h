@@ -1,0 +1,92 @@
+// Counter-based Gaussian noise shared by the CPU and CUDA kernels (torch-free).
+//
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+// SC'11): a keyed bijection of a 128-bit counter, so element n of the noise is a
+// pure function of (seed, offset, n). Any thread, on any device, in any order,
+// draws the same number for the same element: this is what lets the CPU and CUDA
+// kernels agree and lets the backward pass regenerate the noise instead of
+// storing it. Gaussians come from Box-Muller on pairs of uniforms.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "host_device.h"
+
+namespace vqlcmd {
+
+struct Philox4 {
+  uint32_t x[4];
+};
+
+VQLCMD_HD uint32_t mulhilo32(uint32_t a, uint32_t b, uint32_t* hi) {
+  const uint64_t product = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
+  *hi = static_cast<uint32_t>(product >> 32);
+  return static_cast<uint32_t>(product);
+}
+
+// Round constants of the Random123 reference implementation (philox.h there).
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
+constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;  // golden ratio
+constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;  // sqrt(3) - 1
+
+VQLCMD_HD Philox4 philox4x32_10(Philox4 ctr, uint32_t k0, uint32_t k1) {
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {  // the key is bumped between rounds, not before the first
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
+    }
+    uint32_t hi0, hi1;
+    const uint32_t lo0 = mulhilo32(kPhiloxM0, ctr.x[0], &hi0);
+    const uint32_t lo1 = mulhilo32(kPhiloxM1, ctr.x[2], &hi1);
+    ctr = Philox4{{hi1 ^ ctr.x[1] ^ k0, lo1, hi0 ^ ctr.x[3] ^ k1, lo0}};
+  }
+  return ctr;
+}
+
+// The block of four outputs that holds noise element n: counter = offset + n / 4
+// (64 bits), key = seed (64 bits). Each call of the op advances `offset` past the
+// blocks it used, so successive calls draw fresh numbers.
+VQLCMD_HD Philox4 philox_block(uint64_t seed, uint64_t offset, uint64_t block) {
+  const uint64_t c = offset + block;
+  const Philox4 ctr{{static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32), 0u, 0u}};
+  return philox4x32_10(ctr, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// Uniform in the open interval (0, 1): the top 23 bits plus half a step, so
+// log(u) in Box-Muller is always finite. (24 bits plus half a step would round
+// the largest value up to exactly 1.0f.)
+VQLCMD_HD float uniform_open(uint32_t x) {
+  return (static_cast<float>(x >> 9) + 0.5f) * (1.0f / 8388608.0f);
+}
+
+constexpr float kTwoPi = 6.283185307179586f;
+
+// Box-Muller: two independent N(0, 1) from two independent U(0, 1).
+VQLCMD_HD void box_muller(uint32_t a, uint32_t b, float* z0, float* z1) {
+  const float radius = sqrtf(-2.0f * logf(uniform_open(a)));
+  const float theta = kTwoPi * uniform_open(b);
+  *z0 = radius * cosf(theta);
+  *z1 = radius * sinf(theta);
+}
+
+// Noise element n: pair (x0, x1) of its block gives elements 4b, 4b+1 and pair
+// (x2, x3) gives 4b+2, 4b+3. The CPU kernel evaluates the same formula with
+// vector instructions, pair by pair.
+VQLCMD_HD float normal_at(uint64_t seed, uint64_t offset, uint64_t n) {
+  const Philox4 r = philox_block(seed, offset, n / 4);
+  const int lane = static_cast<int>(n % 4);
+  float z0, z1;
+  box_muller(r.x[lane & 2], r.x[(lane & 2) + 1], &z0, &z1);
+  return (lane & 1) ? z1 : z0;
+}
+
+// Counter blocks one call uses for `numel` elements; the caller advances the
+// generator's offset by this much.
+VQLCMD_HD uint64_t philox_blocks(uint64_t numel) { return (numel + 3) / 4; }
+
+}  // namespace vqlcmd

@@ -1,0 +1,203 @@
+// CUDA kernels of noise_embeddings. Forward: each thread owns one Philox block,
+// i.e. four consecutive output elements, so drawn noise costs no memory traffic.
+// Backward: scatter-add with atomics, or a sorted segment sum when
+// torch.use_deterministic_algorithms(True) asks for a fixed summation order.
+#include <torch/library.h>
+
+#include "../common/cuda_utils.cuh"
+#include "../common/philox.h"
+#include "noise_embeddings.h"
+#include "noise_embeddings_args.h"
+
+namespace vqlcmd {
+namespace {
+
+using cuda::Pack4;
+
+struct FwdParams {
+  const int64_t* rows;
+  const float* alpha;
+  const float* sigma;
+  int64_t N, M, D, V;
+  uint64_t seed, offset;
+  int* bad;
+};
+
+// kPacked: D % 4 == 0 and aligned pointers, so a thread's four elements lie in
+// one row and move as one Pack4.
+template <typename table_t, typename noise_t, bool kDraw, bool kPacked>
+__global__ void noise_forward_kernel(FwdParams p, const table_t* __restrict__ table,
+                                     const noise_t* __restrict__ noise, table_t* __restrict__ out) {
+  const int64_t total = p.N * p.D;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; 4 * q < total; q += stride) {
+    float eps[4];
+    if constexpr (kDraw) {
+      const Philox4 r = philox_block(p.seed, p.offset, static_cast<uint64_t>(q));
+      box_muller(r.x[0], r.x[1], &eps[0], &eps[1]);
+      box_muller(r.x[2], r.x[3], &eps[2], &eps[3]);
+    }
+    const int64_t n0 = 4 * q;
+    if constexpr (kPacked) {
+      const int64_t r = n0 / p.D, d = n0 - r * p.D;
+      const int64_t row = p.rows[r];
+      const bool ok = row_in_range(row, p.V);
+      if (!ok) *p.bad = 1;
+      Pack4<table_t> e{}, z;
+      if (ok) e = *reinterpret_cast<const Pack4<table_t>*>(table + row * p.D + d);
+      if constexpr (!kDraw) {
+        const Pack4<noise_t> nz = *reinterpret_cast<const Pack4<noise_t>*>(noise + n0);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) eps[j] = static_cast<float>(nz.v[j]);
+      }
+      const int64_t b = r / p.M;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float ej = ok ? static_cast<float>(e.v[j]) : NAN;
+        z.v[j] = static_cast<table_t>(noise_embedding(ej, eps[j], p.alpha[b], p.sigma[b]));
+      }
+      *reinterpret_cast<Pack4<table_t>*>(out + n0) = z;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t n = n0 + j;
+        if (n >= total) break;
+        const int64_t r = n / p.D, d = n - r * p.D;
+        const int64_t row = p.rows[r];
+        const bool ok = row_in_range(row, p.V);
+        if (!ok) *p.bad = 1;
+        const float e = ok ? static_cast<float>(table[row * p.D + d]) : NAN;
+        const float ep = kDraw ? eps[j] : static_cast<float>(noise[n]);
+        const int64_t b = r / p.M;
+        out[n] = static_cast<table_t>(noise_embedding(e, ep, p.alpha[b], p.sigma[b]));
+      }
+    }
+  }
+}
+
+template <typename table_t, typename noise_t, bool kDraw>
+void launch_forward(const FwdParams& p, const table_t* table, const noise_t* noise, table_t* out) {
+  const bool packed = p.D % 4 == 0 && cuda::aligned4(table) && cuda::aligned4(out) &&
+                      (kDraw || cuda::aligned4(noise));
+  const int blocks = cuda::blocks_for((p.N * p.D + 3) / 4);
+  const cudaStream_t stream = cuda::current_stream();
+  if (packed) {
+    noise_forward_kernel<table_t, noise_t, kDraw, true><<<blocks, cuda::kThreads, 0, stream>>>(p, table, noise, out);
+  } else {
+    noise_forward_kernel<table_t, noise_t, kDraw, false><<<blocks, cuda::kThreads, 0, stream>>>(p, table, noise, out);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor noise_embeddings_cuda(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& alpha,
+                                 const at::Tensor& sigma, const std::optional<at::Tensor>& noise,
+                                 const std::optional<at::Tensor>& drop_mask, int64_t mask_index, int64_t seed,
+                                 int64_t offset) {
+  const c10::cuda::CUDAGuard guard(table.device());
+  const NoiseArgs a = noise_args(tokens, table, alpha, sigma, noise, drop_mask, mask_index);
+  at::Tensor out = at::empty({a.B, a.M, a.D}, table.options());
+  if (out.numel() == 0) return out;
+  cuda::BadIdFlag bad(table.device());
+  const FwdParams p{a.rows.data_ptr<int64_t>(), a.alpha.data_ptr<float>(), a.sigma.data_ptr<float>(),
+                    a.B * a.M, a.M, a.D, a.V, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                    bad.ptr()};
+  VQLCMD_DISPATCH_FLOAT(table.scalar_type(), "noise_embeddings_cuda", [&] {
+    using table_t = scalar_t;
+    if (a.noise.has_value()) {
+      VQLCMD_DISPATCH_FLOAT(a.noise->scalar_type(), "noise_embeddings_cuda", [&] {
+        launch_forward<table_t, scalar_t, false>(p, a.table.data_ptr<table_t>(), a.noise->data_ptr<scalar_t>(),
+                                                 out.data_ptr<table_t>());
+      });
+    } else {
+      launch_forward<table_t, float, true>(p, a.table.data_ptr<table_t>(), nullptr, out.data_ptr<table_t>());
+    }
+  });
+  bad.check("noise_embeddings", a.V);
+  return out;
+}
+
+// Fast backward: one atomic float add per element; the order of the additions
+// (and so the last bits of the sum) varies from run to run.
+template <typename grad_t>
+__global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ rows,
+                                             const float* __restrict__ alpha, float* __restrict__ out, int64_t N,
+                                             int64_t M, int64_t D, int64_t V, int* bad) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; n < N * D; n += stride) {
+    const int64_t r = n / D, d = n - r * D;
+    const int64_t row = rows[r];
+    if (!row_in_range(row, V)) {
+      *bad = 1;
+      continue;
+    }
+    atomicAdd(out + row * D + d, alpha[r / M] * static_cast<float>(grad[n]));
+  }
+}
+
+// Deterministic backward: token positions sorted by row (stable); the block at
+// the start of each run of equal rows sums that run in order, one thread per
+// column, and is the only writer of its output row.
+template <typename grad_t>
+__global__ void noise_backward_sorted_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ sorted,
+                                             const int64_t* __restrict__ order, const float* __restrict__ alpha,
+                                             float* __restrict__ out, int64_t N, int64_t M, int64_t D, int64_t V,
+                                             int* bad) {
+  const int64_t i = blockIdx.x;
+  const int64_t row = sorted[i];
+  if (i > 0 && sorted[i - 1] == row) return;  // not the start of a run
+  if (!row_in_range(row, V)) {
+    if (threadIdx.x == 0) *bad = 1;
+    return;
+  }
+  for (int64_t d = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; d < D;
+       d += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t j = i; j < N && sorted[j] == row; ++j) {
+      const int64_t r = order[j];
+      acc += alpha[r / M] * static_cast<float>(grad[r * D + d]);
+    }
+    out[row * D + d] = acc;
+  }
+}
+
+at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tensor& tokens,
+                                          const std::optional<at::Tensor>& drop_mask, int64_t mask_index,
+                                          const at::Tensor& alpha, int64_t num_rows, bool deterministic) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  check_float_kind(grad, "grad");
+  const at::Tensor rows = token_rows(tokens, drop_mask, mask_index);
+  TORCH_CHECK(grad.dim() == 3 && grad.size(0) == tokens.size(0) && grad.size(1) == tokens.size(1),
+              "grad must be (B, M, D), got ", grad.sizes());
+  const int64_t N = rows.numel(), M = tokens.size(1), D = grad.size(2);
+  at::Tensor out = at::zeros({num_rows, D}, grad.options().dtype(at::kFloat));
+  if (N == 0 || D == 0) return out;
+  const at::Tensor g = grad.contiguous();
+  const at::Tensor al = per_batch(alpha, tokens.size(0), "alpha");
+  cuda::BadIdFlag bad(grad.device());
+  const cudaStream_t stream = cuda::current_stream();
+  VQLCMD_DISPATCH_FLOAT(g.scalar_type(), "noise_embeddings_backward_cuda", [&] {
+    if (deterministic) {
+      const auto [sorted, order] = at::sort(rows, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+      const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(std::min<int64_t>((D + 127) / 128, 65535)));
+      noise_backward_sorted_kernel<scalar_t><<<grid, 128, 0, stream>>>(
+          g.data_ptr<scalar_t>(), sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(), al.data_ptr<float>(),
+          out.data_ptr<float>(), N, M, D, num_rows, bad.ptr());
+    } else {
+      noise_backward_atomic_kernel<scalar_t><<<cuda::blocks_for(N * D), cuda::kThreads, 0, stream>>>(
+          g.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(), al.data_ptr<float>(), out.data_ptr<float>(), N, M, D,
+          num_rows, bad.ptr());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  bad.check("noise_embeddings backward", num_rows);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vqlcmd, CUDA, m) {
+  m.impl("noise_embeddings", &noise_embeddings_cuda);
+  m.impl("noise_embeddings_backward", &noise_embeddings_backward_cuda);
+}
+
+}  // namespace vqlcmd

@@ -1,0 +1,39 @@
+// Argument preparation shared by the CPU and CUDA launchers of noise_embeddings.
+#pragma once
+
+#include "../common/dispatch.h"
+
+namespace vqlcmd {
+
+struct NoiseArgs {
+  at::Tensor rows;   // (B*M,) int64 table row per token, after dropping
+  at::Tensor table;  // (V, D) contiguous
+  at::Tensor alpha, sigma;  // (B,) float32
+  std::optional<at::Tensor> noise;  // (B, M, D) contiguous, or drawn in the kernel
+  int64_t B, M, D, V;
+};
+
+inline NoiseArgs noise_args(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& alpha,
+                            const at::Tensor& sigma, const std::optional<at::Tensor>& noise,
+                            const std::optional<at::Tensor>& drop_mask, int64_t mask_index) {
+  check_float_kind(table, "table");
+  TORCH_CHECK(table.dim() == 2, "table must be (V, D), got ", table.sizes());
+  NoiseArgs a;
+  a.rows = token_rows(tokens, drop_mask, mask_index);
+  a.B = tokens.size(0);
+  a.M = tokens.size(1);
+  a.V = table.size(0);
+  a.D = table.size(1);
+  a.table = table.contiguous();
+  a.alpha = per_batch(alpha, a.B, "alpha");
+  a.sigma = per_batch(sigma, a.B, "sigma");
+  if (noise.has_value()) {
+    check_float_kind(*noise, "noise");
+    TORCH_CHECK(noise->sizes() == at::IntArrayRef({a.B, a.M, a.D}), "noise must be (B, M, D) = (", a.B, ", ",
+                a.M, ", ", a.D, "), got ", noise->sizes());
+    a.noise = noise->contiguous();
+  }
+  return a;
+}
+
+}  // namespace vqlcmd

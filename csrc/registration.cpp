@@ -1,0 +1,24 @@
+// The schemas of the vqlcmd ops, declared once. Device implementations live
+// beside each op (TORCH_LIBRARY_IMPL CPU in *_cpu.cpp, CUDA in *.cu); autograd
+// and fake (meta) implementations are registered from Python in
+// vqlcmd/ops/_compiled.py, which set_python_module names so that torch imports
+// it when a fake implementation is needed.
+#include <torch/library.h>
+
+TORCH_LIBRARY(vqlcmd, m) {
+  m.set_python_module("vqlcmd.ops._compiled");
+  // z = alpha E[x'] + sigma eps; eps = noise, or Philox(seed, offset) when noise is None.
+  m.def(
+      "noise_embeddings(Tensor tokens, Tensor table, Tensor alpha, Tensor sigma, Tensor? noise, "
+      "Tensor? drop_mask, int mask_index, int seed, int offset) -> Tensor");
+  // float32 (num_rows, D) gradient of the table: scatter-add of alpha * grad.
+  m.def(
+      "noise_embeddings_backward(Tensor grad, Tensor tokens, Tensor? drop_mask, int mask_index, Tensor alpha, "
+      "int num_rows, bool deterministic) -> Tensor");
+  m.def(
+      "ddim_teacher_step(Tensor tokens, Tensor table, Tensor z_t, Tensor alpha_t, Tensor sigma_t, "
+      "Tensor alpha_s, Tensor sigma_s) -> Tensor");
+  // (kl, d kl / d student) per row; the gradient is empty unless emit_grad.
+  m.def("categorical_kl(Tensor teacher, Tensor student, bool emit_grad) -> (Tensor, Tensor)");
+  m.def("categorical_kl_backward(Tensor grad_kl, Tensor teacher, Tensor student) -> Tensor");
+}

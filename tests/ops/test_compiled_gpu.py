@@ -1,0 +1,146 @@
+"""The CUDA kernels of the compiled backend against the reference backend (skipped without a GPU)."""
+import pytest
+import torch
+
+from vqlcmd import ops
+from vqlcmd.ops import _compiled
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_compiled.unavailable() is not None,
+                       reason=f"compiled backend not built: {_compiled.unavailable()}"),
+    pytest.mark.skipif(_compiled.unavailable() is None and not _compiled.build_info().get("with_cuda"),
+                       reason="vqlcmd._C was built without CUDA kernels"),
+]
+
+CUDA = torch.device("cuda")
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def close(actual, expected, dtype, scale=1.0):
+    torch.testing.assert_close(actual.float(), expected.float(), **{k: v * scale for k, v in TOL[dtype].items()})
+
+
+@pytest.mark.parametrize("emit", [True, False])
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("K", [1024, 1000, 7, 1])
+def test_categorical_kl_cuda(K, dtype, emit, monkeypatch):
+    monkeypatch.setattr(_compiled, "EMIT_KL_GRAD", emit)
+    g = torch.Generator(CUDA).manual_seed(0)
+    teacher = (3 * torch.randn(5, 67, K, device=CUDA, generator=g)).to(dtype)
+    student = (3 * torch.randn(5, 67, K, device=CUDA, generator=g)).to(dtype)
+    upstream = torch.rand(5, 67, device=CUDA, generator=g) + 0.5
+    res = {}
+    for backend in ("compiled", "reference"):
+        s = student.clone().requires_grad_()
+        kl = ops.categorical_kl(teacher, s, backend=backend)
+        (kl * upstream).sum().backward()
+        res[backend] = (kl, s.grad)
+    torch.testing.assert_close(res["compiled"][0], res["reference"][0], atol=1e-4, rtol=1e-4)
+    close(res["compiled"][1], res["reference"][1], dtype)
+
+
+def test_categorical_kl_cuda_extreme_and_noncontiguous():
+    g = torch.Generator(CUDA).manual_seed(1)
+    teacher = 1e4 * torch.rand(1000, 64, device=CUDA, generator=g).t()  # strided
+    student = -1e4 * torch.rand(64, 1000, device=CUDA, generator=g)
+    kl = ops.categorical_kl(teacher, student, backend="compiled")
+    ref = ops.categorical_kl(teacher.double(), student.double(), backend="reference").float()
+    torch.testing.assert_close(kl, ref, rtol=1e-5, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("D", [256, 13])
+def test_noise_embeddings_cuda(D, dtype):
+    g = torch.Generator(CUDA).manual_seed(2)
+    B, M, V = 4, 33, 65
+    tokens = torch.randint(0, V - 1, (B, M), device=CUDA, generator=g)
+    table = torch.randn(V, D, device=CUDA, generator=g).to(dtype)
+    alpha, sigma = torch.rand(B, device=CUDA, generator=g), torch.rand(B, device=CUDA, generator=g)
+    noise = torch.randn(B, M, D, device=CUDA, generator=g).to(dtype)
+    drop = torch.rand(B, M, device=CUDA, generator=g) < 0.3
+    upstream = torch.randn(B, M, D, device=CUDA, generator=g).to(dtype)
+    res = {}
+    for backend in ("compiled", "reference"):
+        tab = table.clone().requires_grad_()
+        z = ops.noise_embeddings(tokens, tab, alpha, sigma, noise=noise, drop_mask=drop, mask_index=V - 1,
+                                 backend=backend)
+        z.backward(upstream)
+        res[backend] = (z, tab.grad)
+    close(res["compiled"][0], res["reference"][0], dtype)
+    close(res["compiled"][1], res["reference"][1], dtype, scale=4)
+
+
+def test_noise_backward_cuda_deterministic_mode_matches_atomics():
+    g = torch.Generator(CUDA).manual_seed(3)
+    tokens = torch.randint(0, 5, (16, 256), device=CUDA, generator=g)
+    grad = torch.randn(16, 256, 256, device=CUDA, generator=g)
+    alpha = torch.rand(16, device=CUDA, generator=g)
+    runs = [torch.ops.vqlcmd.noise_embeddings_backward(grad, tokens, None, -1, alpha, 5, True) for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    fast = torch.ops.vqlcmd.noise_embeddings_backward(grad, tokens, None, -1, alpha, 5, False)
+    torch.testing.assert_close(fast, runs[0], atol=1e-3, rtol=1e-5)
+    cpu = torch.ops.vqlcmd.noise_embeddings_backward(grad.cpu(), tokens.cpu(), None, -1, alpha.cpu(), 5, True)
+    torch.testing.assert_close(runs[0].cpu(), cpu, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("D", [256, 7])
+def test_philox_noise_cuda_equals_cpu(D):
+    """One algorithm in csrc/common/philox.h: same (seed, offset) gives the same noise on both devices."""
+    draws = []
+    for device in ("cpu", "cuda"):
+        tokens = torch.zeros(8, 64, dtype=torch.long, device=device)
+        table = torch.zeros(1, D, device=device)
+        draws.append(torch.ops.vqlcmd.noise_embeddings(tokens, table, torch.zeros(8, device=device),
+                                                       torch.ones(8, device=device), None, None, -1, 987654321, 12))
+    torch.testing.assert_close(draws[1].cpu(), draws[0], atol=1e-5, rtol=1e-5)  # libm vs CUDA sin/cos/log ulps
+    eps = draws[1].double()
+    assert abs(eps.mean().item()) < 0.02 and abs(eps.var().item() - 1) < 0.03
+
+
+def test_noise_cuda_generator_reproduces_and_advances():
+    tokens = torch.zeros(4, 32, dtype=torch.long, device=CUDA)
+    table = torch.zeros(1, 64, device=CUDA)
+    a, s = torch.zeros(4, device=CUDA), torch.ones(4, device=CUDA)
+    g1, g2 = torch.Generator(CUDA).manual_seed(9), torch.Generator(CUDA).manual_seed(9)
+    first = ops.noise_embeddings(tokens, table, a, s, generator=g1, backend="compiled")
+    second = ops.noise_embeddings(tokens, table, a, s, generator=g1, backend="compiled")
+    assert not torch.equal(first, second)
+    assert torch.equal(first, ops.noise_embeddings(tokens, table, a, s, generator=g2, backend="compiled"))
+
+
+@pytest.mark.parametrize("z_dtype,table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.float16, torch.float16)], ids=str)
+def test_ddim_teacher_step_cuda(z_dtype, table_dtype):
+    g = torch.Generator(CUDA).manual_seed(4)
+    B, M, V, D = 4, 33, 65, 256
+    tokens = torch.randint(0, V, (B, M), device=CUDA, generator=g)
+    table = torch.randn(V, D, device=CUDA, generator=g).to(table_dtype)
+    z_t = torch.randn(B, M, D, device=CUDA, generator=g).to(z_dtype)
+    coef = [torch.rand(B, device=CUDA, generator=g) + 0.1 for _ in range(4)]
+    close(ops.ddim_teacher_step(tokens, table, z_t, *coef, backend="compiled"),
+          ops.ddim_teacher_step(tokens, table, z_t, *coef, backend="reference"), z_dtype)
+
+
+def test_cuda_bad_ids_raise():
+    table = torch.randn(5, 8, device=CUDA)
+    bad = torch.tensor([[1, 9]], device=CUDA)
+    one = torch.ones(1, device=CUDA)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        torch.ops.vqlcmd.noise_embeddings(bad, table, one, one, None, None, -1, 0, 0)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        torch.ops.vqlcmd.ddim_teacher_step(bad, table, torch.zeros(1, 2, 8, device=CUDA), one, one, one, one)
+    torch.cuda.synchronize()  # the context survived
+
+
+def test_opcheck_cuda():
+    g = torch.Generator(CUDA).manual_seed(5)
+    tokens = torch.randint(0, 9, (2, 5), device=CUDA, generator=g)
+    table = torch.randn(10, 12, device=CUDA, generator=g, requires_grad=True)
+    ab = torch.rand(2, device=CUDA, generator=g)
+    t, s = torch.randn(3, 40, device=CUDA, generator=g), torch.randn(3, 40, device=CUDA, generator=g)
+    torch.library.opcheck(torch.ops.vqlcmd.noise_embeddings.default, (tokens, table, ab, ab, None, None, -1, 3, 8))
+    torch.library.opcheck(torch.ops.vqlcmd.ddim_teacher_step.default,
+                          (tokens, table.detach(), torch.randn(2, 5, 12, device=CUDA), ab, ab, ab, ab))
+    torch.library.opcheck(torch.ops.vqlcmd.categorical_kl.default, (t, s.requires_grad_(), True))
