@@ -4,30 +4,18 @@ Documented tolerance between the two, on [0, 255] pixel levels: mean |DALI - PIL
 max <= 8 levels (measured: ~0.2 mean, 4 max). Geometry (resized size, crop offsets, flips) is
 identical; the residue comes from the two antialiased bilinear resizers rounding differently.
 """
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from image_tree import picture as _picture, write_tree
+
 from vqlcmd.data.images import image_batches, list_images
-
-SIZES = [(37, 53), (64, 45), (50, 50), (41, 77), (100, 140), (33, 32), (48, 96)]
-
-
-def _picture(h, w, seed):
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:h, 0:w]
-    a = np.stack([128 + 100 * np.sin(xx / 5 + seed), 128 + 100 * np.cos(yy / 7), xx * 255 / w], -1)
-    return (a + rng.normal(0, 10, a.shape)).clip(0, 255).astype(np.uint8)
 
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
-    root = tmp_path_factory.mktemp("images")
-    for i, (h, w) in enumerate(SIZES):
-        cls = root / ("cat" if i % 2 else "ant")
-        cls.mkdir(exist_ok=True)
-        Image.fromarray(_picture(h, w, i)).save(cls / f"im{i}.jpg", quality=92)
+    root = write_tree(tmp_path_factory.mktemp("images"))
     Image.fromarray(_picture(40, 40, 9)[:, :, 0]).save(root / "ant" / "gray.jpg")  # greyscale JPEG
     Image.fromarray(_picture(30, 45, 10)).save(root / "cat" / "png.png")
     return root

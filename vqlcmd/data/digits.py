@@ -61,7 +61,6 @@ def prepare_digits(cache_dir=None, *, steps: int = 1000, seed: int = 0, size: in
     """
     from ..tokenizer import load_tokenizer
     from ..tokenizer.small import TrainConfig, small_vqmodel, train_vqmodel
-    from .writer import write_token_shards
 
     t0 = time.perf_counter()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -89,16 +88,25 @@ def prepare_digits(cache_dir=None, *, steps: int = 1000, seed: int = 0, size: in
                 f"{metrics['codebook_size']} codes used, {metrics['train_seconds']:.0f} s")
         tok = load_tokenizer(tok_dir)
         shard_dir = root / f"shards-{tok.identifier}"
-        header = {"num_classes": 10, "class_names": CLASS_NAMES, "image_size": [size, size], "channels": 1,
-                  "source": "sklearn-digits", "flipped": False}
-
-        def batches(start, stop, bs=256):
-            for i in range(start, stop, bs):
-                j = min(i + bs, stop)
-                yield images[i:j], labels[i:j]
-
-        write_token_shards(shard_dir, tok, len(images), batches, header, shard_size=shard_size, progress=progress,
-                           log=lambda m: None)
+        write_digits_shards(shard_dir, tok, size=size, shard_size=shard_size, progress=progress, log=lambda m: None)
     return {"shards": str(shard_dir), "tokenizer": str(tok_dir), "psnr": metrics["psnr"],
             "codebook_usage": metrics["codebook_usage"], "codebook_size": metrics["codebook_size"],
             "tokenizer_id": tok.identifier, "seconds": time.perf_counter() - t0}
+
+
+def write_digits_shards(out_dir, tokenizer, *, size: int = 32, shard_size: int = 1024, progress: bool = True,
+                        log=print) -> dict:
+    """Tokenizes the digits (in scikit-learn's order) into ``out_dir``; keeps finished shards."""
+    from .writer import write_token_shards
+
+    images, labels = digits_images(size)
+    header = {"num_classes": 10, "class_names": CLASS_NAMES, "image_size": [size, size], "channels": 1,
+              "source": "sklearn-digits", "flipped": False}
+
+    def batches(start, stop, bs=256):
+        for i in range(start, stop, bs):
+            j = min(i + bs, stop)
+            yield images[i:j], labels[i:j]
+
+    return write_token_shards(out_dir, tokenizer, len(images), batches, header, shard_size=shard_size,
+                              progress=progress, log=log)

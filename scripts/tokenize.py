@@ -1,0 +1,95 @@
+"""Images -> token shards, with a progress bar and images/s; restartable (finished shards are kept).
+
+    python scripts/tokenize.py --images DATA/train --tokenizer TOK_FOLDER --out shards/ [--flip]
+    python scripts/tokenize.py --dataset digits [--out shards/]
+
+A tree with class sub-folders gives class labels; a flat folder is unconditional (label 0).
+``--flip`` also writes a horizontally flipped copy of every image (``flip-*.vqtok``).
+"""
+import os
+import sys
+
+# This file shares its name with the standard library's ``tokenize`` module, which torch imports
+# (through inspect and linecache); drop this folder from the path so that import finds the real one.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--images", help="image folder (class sub-folders, or flat)")
+    src.add_argument("--dataset", choices=["digits"], help="the embedded data set")
+    p.add_argument("--tokenizer", help="diffusers VQModel folder (for --dataset digits: default, the cached one)")
+    p.add_argument("--out", help="output folder for the shards (for --dataset digits: default, the cache)")
+    p.add_argument("--size", type=int, help="image side after resize + centre crop (default: the tokenizer's)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--shard-size", type=int, default=10000, help="images per shard")
+    p.add_argument("--flip", action="store_true", help="also write horizontally flipped copies")
+    p.add_argument("--backend", default="auto", choices=["auto", "dali", "pil"])
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--check-images", default="header", choices=["none", "header", "decode"],
+                   help="skip unreadable files up front: header parse (default) or full decode")
+    p.add_argument("--num-threads", type=int, default=4, help="decoding threads")
+    p.add_argument("--steps", type=int, default=1000, help="--dataset digits: tokenizer training steps")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from vqlcmd.data import image_batches, list_images, prepare_digits, write_token_shards
+    from vqlcmd.data.digits import write_digits_shards
+    from vqlcmd.tokenizer import load_tokenizer
+
+    progress = not args.no_progress
+    if args.dataset == "digits":
+        if args.tokenizer is None:
+            info = prepare_digits(steps=args.steps, progress=progress)
+            if args.out is None:
+                print(json.dumps(info, indent=1))
+                return info
+            args.tokenizer = info["tokenizer"]
+        if args.out is None:
+            raise SystemExit("--dataset digits with --tokenizer needs --out")
+        tok = load_tokenizer(args.tokenizer, device=args.device)
+        stats = write_digits_shards(args.out, tok, size=tok.image_size[0], shard_size=args.shard_size,
+                                    progress=progress)
+        print(json.dumps(stats))
+        return stats
+
+    if args.tokenizer is None or args.out is None:
+        raise SystemExit("--images needs --tokenizer and --out")
+    tok = load_tokenizer(args.tokenizer, device=args.device)
+    size = args.size or tok.image_size[0]
+    images = list_images(args.images, check=args.check_images)
+    print(f"{len(images)} images, {images.num_classes} classes, {len(images.skipped)} skipped; tokenizer "
+          f"{tok.identifier} ({tok.codebook_size} codes, grid {tok.grid[0]}x{tok.grid[1]})")
+    results = {}
+    for flip, prefix in [("none", "shard")] + ([("always", "flip")] if args.flip else []):
+        header = {"num_classes": images.num_classes, "class_names": images.class_names, "image_size": [size, size],
+                  "channels": tok.channels, "source": os.path.abspath(args.images), "flipped": flip == "always"}
+
+        def batches(start, stop, flip=flip):
+            return image_batches(images.subset(start, stop), size, args.batch_size, flip=flip, backend=args.backend,
+                                 channels=tok.channels, device=args.device, num_threads=args.num_threads)
+
+        stats = write_token_shards(args.out, tok, len(images), batches, header, shard_size=args.shard_size,
+                                   prefix=prefix, progress=progress)
+        print(f"{prefix}: {stats['written']}/{stats['shards']} shards written, {stats['images']} images, "
+              f"{stats['images_per_s']:.1f} images/s")
+        results[prefix] = stats
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""scripts/tokenize.py: a JPEG tree -> shards (+ flipped copies), restartable; run as a real script once."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from image_tree import write_tree
+
+from vqlcmd.data import TokenShardDataset, image_batches, list_images
+from vqlcmd.tokenizer import load_tokenizer, small_vqmodel
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "tokenize.py"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tok")
+    torch.manual_seed(0)
+    small_vqmodel(channels=3, image_size=16, block_channels=(8, 16), codebook_size=16, code_dim=4,
+                  groups=4).save_pretrained(str(base / "vq"))
+    return write_tree(base / "images"), base / "vq", base
+
+
+def _script_main():
+    spec = importlib.util.spec_from_file_location("tokenize_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def test_runs_as_a_script_with_flipped_copies(setup):
+    images, vq, base = setup
+    out = base / "out-script"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--images", str(images), "--tokenizer", str(vq), "--out",
+                        str(out), "--shard-size", "3", "--flip", "--backend", "dali", "--device", "cpu",
+                        "--batch-size", "2"], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "images/s" in r.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [f"{p}-0000{i}.vqtok" for p in ("flip", "shard") for i in range(3)]
+    ds = TokenShardDataset(out)
+    assert len(ds) == 14 and ds.header["class_names"] == ["ant", "cat"] and ds.header["flipped"]
+    tok = load_tokenizer(vq)
+    il = list_images(images)
+    x = torch.cat([b for b, _ in image_batches(il, 16, 8, backend="dali")])
+    want = torch.cat([tok.encode(x), tok.encode(x.flip(-1))]).reshape(14, -1)
+    got, labels = ds.gather(np.arange(14))
+    order = [7 + i for i in range(7)] + list(range(7))  # flip-* sorts before shard-*
+    assert torch.equal(got, want[order]) and labels.tolist() == (il.labels * 2)
+
+
+def test_restart_keeps_finished_shards_and_redoes_broken_ones(setup, capsys):
+    images, vq, base = setup
+    out = base / "out-restart"
+    main = _script_main()
+    argv = ["--images", str(images), "--tokenizer", str(vq), "--out", str(out), "--shard-size", "3",
+            "--backend", "pil", "--device", "cpu", "--no-progress"]
+    main(argv)
+    first = TokenShardDataset(out).gather(np.arange(7))[0]
+    kept = out / "shard-00002.vqtok"
+    stamp = kept.stat().st_mtime_ns
+    (out / "shard-00001.vqtok").unlink()
+    data = (out / "shard-00000.vqtok").read_bytes()
+    (out / "shard-00000.vqtok").write_bytes(data[:-5])  # a run killed mid-copy elsewhere
+    capsys.readouterr()
+    stats = main(argv)
+    assert stats["shard"]["written"] == 2 and stats["shard"]["images"] == 6
+    assert "keeping 1 finished" in capsys.readouterr().out
+    assert kept.stat().st_mtime_ns == stamp
+    assert torch.equal(TokenShardDataset(out).gather(np.arange(7))[0], first)
+
+
+def test_other_tokenizer_redoes_everything(setup, tmp_path):
+    images, vq, base = setup
+    torch.manual_seed(1)
+    small_vqmodel(channels=3, image_size=16, block_channels=(8, 16), codebook_size=16, code_dim=4,
+                  groups=4).save_pretrained(str(tmp_path / "vq2"))
+    out = tmp_path / "out"
+    main = _script_main()
+    argv = ["--images", str(images), "--out", str(out), "--shard-size", "4", "--backend", "pil", "--device", "cpu",
+            "--no-progress"]
+    main(argv + ["--tokenizer", str(vq)])
+    stats = main(argv + ["--tokenizer", str(tmp_path / "vq2")])
+    assert stats["shard"]["written"] == 2
+    assert TokenShardDataset(out).header["tokenizer_id"] == load_tokenizer(tmp_path / "vq2").identifier
