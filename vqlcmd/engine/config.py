@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..baselines import METHODS, CSDMConfig, MaskGITConfig, apply_method
 from ..diffusion import LossConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +95,9 @@ class SampleSection:
 
 @dataclass
 class VQLCMDConfig:
+    # "vqlcmd", or a baseline of the paper in the same engine (vqlcmd/baselines): "maskgit", "csdm_fixed"
+    # (CSDM†), "csdm", "csdm_l2". The csdm methods force their loss / embedding / schedule switches.
+    method: str = "vqlcmd"
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -103,6 +107,8 @@ class VQLCMDConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     train: TrainSection = field(default_factory=TrainSection)
     sample: SampleSection = field(default_factory=SampleSection)
+    maskgit: MaskGITConfig = field(default_factory=MaskGITConfig)  # used by method "maskgit" only
+    csdm: CSDMConfig = field(default_factory=CSDMConfig)  # used by method "csdm_fixed" only
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -132,11 +138,15 @@ def _build(cls, data: Any, where: str):
 
 
 _SECTIONS = {c.__name__: c for c in (ModelSection, DataSection, LossConfig, EmbeddingSection, ScheduleSection,
-                                     EMASection, OptimizerSection, TrainSection, SampleSection, VQLCMDConfig)}
+                                     EMASection, OptimizerSection, TrainSection, SampleSection, MaskGITConfig,
+                                     CSDMConfig, VQLCMDConfig)}
 
 
 def parse_vqlcmd_section(section: dict) -> VQLCMDConfig:
-    return _build(VQLCMDConfig, section, "vqlcmd")
+    cfg = _build(VQLCMDConfig, section, "vqlcmd")
+    if cfg.method not in METHODS:
+        raise ConfigError(f"vqlcmd.method must be one of {', '.join(METHODS)}, got {cfg.method!r}")
+    return apply_method(cfg)
 
 
 def resolve_config_path(name: str) -> Path:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..baselines import MaskGITPipeline, build_network, maskgit_losses
 from ..diffusion import training_losses
 from ..ema import EMA
 from ..embedding import collapse_indicator
@@ -45,8 +46,12 @@ class LossModule(nn.Module):
         self.net = net
         object.__setattr__(self, "teacher", teacher)
         self.schedule, self.loss_cfg, self.backend = schedule, cfg.loss, cfg.train.backend
+        self.method, self.maskgit_cfg = cfg.method, cfg.maskgit
 
     def forward(self, tokens, labels, generator=None):
+        if self.method == "maskgit":
+            return maskgit_losses(self.net, tokens, labels, self.maskgit_cfg, label_drop=self.loss_cfg.label_drop,
+                                  generator=generator)
         return training_losses(self.net, self.teacher.module, self.schedule, tokens, labels, self.loss_cfg,
                                generator=generator, backend=self.backend)
 
@@ -91,8 +96,11 @@ class Trainer:
 
         # ---- model, EMAs, optimizer -------------------------------------------------------------
         torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
-        net = VQLCMDNetwork(den_cfg, frozen_embeddings=cfg.embedding.frozen,
-                            l2_normalize=cfg.embedding.l2_normalize)
+        try:
+            net = build_network(cfg, den_cfg, tok_dir, log=self.log)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        den_cfg = net.config
         self.teacher = EMA(net, cfg.ema.teacher)
         self.sampling_ema = EMA(net, cfg.ema.sampling)
         self.schedule = ShiftedCosineSchedule(cfg.schedule.shift, cfg.schedule.t_min)
@@ -114,7 +122,8 @@ class Trainer:
                                                  dtype=torch.bfloat16 if self.bf16 else torch.float32),
                                      den_cfg.attn_dropout)
         self.log(f"vqlcmd: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters, preset "
-                 f"{cfg.model.preset}, K={den_cfg.codebook_size} M={den_cfg.seq_len} D={den_cfg.embed_dim}, "
+                 f"{cfg.model.preset}, method {cfg.method}, K={den_cfg.codebook_size} M={den_cfg.seq_len} "
+                 f"D={den_cfg.embed_dim}, "
                  f"{self.world} rank(s) x micro-batch {micro} x accumulation {gas}, ZeRO stage "
                  f"{ds.get('zero_optimization', {}).get('stage', 0)}, {'bf16' if self.bf16 else 'fp32'}, "
                  f"attention {attn}, device {self.device}")
@@ -236,6 +245,12 @@ class Trainer:
             tokenizer = load_tokenizer(self.tokenizer_dir).to(self.device)
             ref["path"] = str(Path(self.tokenizer_dir).resolve())
         s = self.cfg.sample
+        if self.cfg.method == "maskgit":
+            return MaskGITPipeline(self.sampling_ema.module, self.schedule, maskgit=self.cfg.maskgit,
+                                   tokenizer=tokenizer, tokenizer_ref=ref, class_names=self.header.get("class_names"),
+                                   sample_defaults={"num_steps": self.cfg.maskgit.num_steps,
+                                                    "guidance_scale": s.guidance_scale},
+                                   extra_config={"training_config": self.resolved_config, "step": self.step})
         return VQLCMDPipeline(self.sampling_ema.module, self.schedule, tokenizer=tokenizer, tokenizer_ref=ref,
                               class_names=self.header.get("class_names"),
                               sample_defaults={"num_steps": s.num_steps, "guidance_scale": s.guidance_scale,

@@ -1,0 +1,226 @@
+"""MaskGIT on the same tokens and the same Transformer backbone (Chang et al. 2022; Besnier & Chen 2023).
+
+The denoiser is reused unchanged: token ids (row K of the embedding table is ``[mask]``) are looked up
+in the learned table and fed as ``z``; the time input is held at 0, since MaskGIT does not condition
+on the mask ratio. Training is masked-token prediction (Chang et al. §3.2): a ratio γ(r), r ~ U(0, 1),
+of the tokens is replaced by ``[mask]`` and cross-entropy is taken on those positions only. Sampling is
+the iterative confidence decoder of the PyTorch reimplementation the VQ-LCMD paper compares with
+(Besnier & Chen, "A Pytorch Reproduction of Masked Generative Image Transformer", 2023): per step, draw
+every masked token from softmax(logits · τ), score it by log p + r_temp · Gumbel · (1 − n/N), and keep
+the scheduled number of highest-scoring ones; classifier-free guidance on logits with a weight that
+ramps linearly from 0 to ω.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..diffusion.losses import drop_labels
+from ..network import VQLCMDNetwork
+from ..pipeline import VQLCMDPipeline, to_pil
+
+MASK_SCHEDULES = ("cosine", "arccos", "linear", "square")
+
+
+@dataclass
+class MaskGITConfig:
+    train_schedule: str = "cosine"  # γ(r) of the training mask ratio (Chang et al.: cosine)
+    label_smoothing: float = 0.1  # Besnier & Chen train with 0.1
+    sample_schedule: str = "arccos"  # tokens unmasked per step (Besnier & Chen's default)
+    num_steps: int = 8  # the paper's MaskGIT row uses 8 steps
+    gumbel_temperature: float = 4.5  # r_temp; the noise decays linearly to 0 over the steps
+    softmax_temperature: float = 1.0  # logits are multiplied by it before the softmax
+    guidance_ramp: bool = True  # ω · n / (N − 1) at step n (Besnier & Chen); False: constant ω
+
+    def __post_init__(self):
+        for name in ("train_schedule", "sample_schedule"):
+            if getattr(self, name) not in MASK_SCHEDULES:
+                raise ValueError(f"{name} must be one of {MASK_SCHEDULES}, got {getattr(self, name)!r}")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def mask_ratio(r: torch.Tensor, schedule: str) -> torch.Tensor:
+    """γ(r): fraction of tokens masked at r ∈ [0, 1]; γ(0) = 1 (all masked), γ(1) = 0 (Chang et al. §3.2)."""
+    if schedule == "cosine":
+        return torch.cos(0.5 * math.pi * r)
+    if schedule == "arccos":
+        return torch.arccos(r) / (0.5 * math.pi)
+    if schedule == "linear":
+        return 1.0 - r
+    if schedule == "square":
+        return 1.0 - r**2
+    raise ValueError(f"schedule must be one of {MASK_SCHEDULES}, got {schedule!r}")
+
+
+def unmask_schedule(num_steps: int, seq_len: int, mode: str = "arccos") -> torch.Tensor:
+    """Tokens to unmask at each of ``num_steps`` steps: (N,) int64, each >= 1, summing to ``seq_len``.
+
+    Besnier & Chen's ``adap_sche``: weights v_n = 1 − γ(r_n) at r_n = linspace(1, 0, N+1)[1:] (for
+    arccos: arccos(r)/(π/2)), scaled to sum to M, rounded, zeros raised to 1, the remainder added to
+    the last step. Their version can leave the last step at ≤ 0 when N is close to M; here the excess
+    is taken from the largest steps instead, so the counts always stay >= 1 and sum to M.
+    """
+    if not 1 <= num_steps <= seq_len:
+        raise ValueError(f"num_steps must be in [1, {seq_len}] for {seq_len} tokens, got {num_steps}")
+    r = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)[1:]
+    if mode == "arccos":
+        val = torch.arccos(r) / (0.5 * math.pi)
+    elif mode == "cosine":
+        val = torch.cos(0.5 * math.pi * r)
+    elif mode == "linear":
+        val = 1.0 - r
+    elif mode == "square":
+        val = 1.0 - r**2
+    else:
+        raise ValueError(f"mode must be one of {MASK_SCHEDULES}, got {mode!r}")
+    counts = (val / val.sum() * seq_len).round().long().clamp_min(1)
+    counts[-1] += seq_len - int(counts.sum())
+    while counts[-1] < 1 or counts.sum() > seq_len:
+        counts[-1] = max(int(counts[-1]), 1)
+        excess = int(counts.sum()) - seq_len
+        if excess <= 0:
+            break
+        counts[int(counts[:-1].argmax())] -= 1
+    return counts
+
+
+def _embed(net: VQLCMDNetwork, ids: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, net.embedding.table())  # (B, M, D)
+
+
+def maskgit_losses(net: VQLCMDNetwork, tokens: torch.Tensor, labels: Optional[torch.Tensor], cfg: MaskGITConfig,
+                   *, label_drop: float = 0.1, generator: Optional[torch.Generator] = None) -> dict:
+    """Masked-token cross-entropy (Chang et al. 2022, eq. 1): ⌈γ(r)·M⌉ tokens, r ~ U(0, 1), chosen uniformly,
+    replaced by [mask]; CE on the masked positions only, averaged over them. Labels dropped to the null
+    class with ``label_drop`` for classifier-free guidance."""
+    B, M = tokens.shape
+    K = net.embedding.codebook_size
+    device = tokens.device
+    tokens = tokens.long()
+    r = torch.rand((B,), device=device, generator=generator)
+    n_mask = torch.ceil(mask_ratio(r, cfg.train_schedule) * M).long().clamp(1, M)  # (B,)
+    scores = torch.rand((B, M), device=device, generator=generator)
+    ranks = scores.argsort(dim=1).argsort(dim=1)  # uniform random permutation per row
+    mask = ranks < n_mask[:, None]  # (B, M) True = [mask]
+    ids = torch.where(mask, torch.full_like(tokens, K), tokens)
+    y = drop_labels(labels, net.denoiser.null_class, label_drop, generator)
+    logits = net.denoiser(_embed(net, ids), torch.zeros(B, device=device), y).float()  # (B, M, K)
+    ce = F.cross_entropy(logits[mask], tokens[mask], label_smoothing=cfg.label_smoothing)
+    return {"loss": ce, "ce": ce.detach(), "mask_ratio": mask.float().mean().detach()}
+
+
+def _gumbel(shape, device, generator) -> torch.Tensor:
+    u = torch.rand(shape, device=device, generator=generator).clamp(1e-20, 1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+@torch.no_grad()
+def maskgit_sample(net: VQLCMDNetwork, *, class_labels: Optional[torch.Tensor] = None,
+                   num_samples: Optional[int] = None, num_steps: Optional[int] = None, guidance_scale: float = 0.0,
+                   cfg: Optional[MaskGITConfig] = None, generator: Optional[torch.Generator] = None,
+                   return_trace: bool = False):
+    """Iterative confidence decoding (Chang et al. §3.3, with Besnier & Chen's Gumbel noise and guidance).
+
+    Returns tokens (B, M) int64; with ``return_trace`` also the list of (B, M) bool masks of the
+    positions unmasked at each step.
+    """
+    cfg = cfg or MaskGITConfig()
+    den = net.denoiser
+    K, M, C = den.cfg.codebook_size, den.cfg.seq_len, den.cfg.num_classes
+    device = net.embedding.weight.device
+    if class_labels is not None:
+        y = class_labels.to(device=device, dtype=torch.long)
+        B = y.shape[0]
+    else:
+        if num_samples is None:
+            raise ValueError("give class_labels (conditional) or num_samples (unconditional)")
+        B = num_samples
+        y = None if C == 0 else torch.full((B,), C, device=device, dtype=torch.long)
+    guided = guidance_scale > 0
+    if guided and (class_labels is None or C == 0):
+        raise ValueError("guidance_scale > 0 needs a class-conditional model and class_labels")
+    sched = unmask_schedule(num_steps or cfg.num_steps, M, cfg.sample_schedule)
+    N = len(sched)
+    ids = torch.full((B, M), K, device=device, dtype=torch.long)
+    masked = torch.ones((B, M), device=device, dtype=torch.bool)
+    t = torch.zeros(B, device=device)
+    trace = []
+    for n, k in enumerate(sched.tolist()):
+        z = _embed(net, ids)
+        if guided:
+            logits = den(torch.cat([z, z]), torch.cat([t, t]), torch.cat([y, torch.full_like(y, C)])).float()
+            cond, uncond = logits[:B], logits[B:]
+            w = guidance_scale * (n / (N - 1) if N > 1 else 1.0) if cfg.guidance_ramp else guidance_scale
+            logits = (1 + w) * cond - w * uncond  # guidance on logits (Besnier & Chen)
+        else:
+            logits = den(z, t, y).float()
+        probs = torch.softmax(logits * cfg.softmax_temperature, dim=-1)  # (B, M, K)
+        pred = torch.multinomial(probs.reshape(-1, K), 1, generator=generator).view(B, M)
+        conf = torch.log(probs.gather(-1, pred[..., None])[..., 0].clamp_min(1e-30))  # (B, M)
+        if cfg.gumbel_temperature > 0:
+            conf = conf + cfg.gumbel_temperature * (1.0 - n / N) * _gumbel((B, M), device, generator)
+        conf = conf.masked_fill(~masked, -math.inf)  # already decoded tokens stay as they are
+        chosen = conf.topk(k, dim=1).indices  # (B, k)
+        new = torch.zeros_like(masked).scatter_(1, chosen, True)
+        ids = torch.where(new, pred, ids)
+        masked &= ~new
+        if return_trace:
+            trace.append(new)
+    return (ids, trace) if return_trace else ids
+
+
+class MaskGITPipeline(VQLCMDPipeline):
+    """A ``VQLCMDPipeline`` whose sampler is MaskGIT's; same folder format, with ``"method": "maskgit"`` and
+    the sampler settings in its config.json."""
+
+    def __init__(self, network, schedule, *, maskgit: Optional[MaskGITConfig] = None, **kwargs):
+        super().__init__(network, schedule, **kwargs)
+        if maskgit is None:
+            maskgit = MaskGITConfig(**self.extra_config.get("maskgit", {}))
+        self.maskgit = maskgit
+        self.extra_config["method"] = "maskgit"
+        self.extra_config["maskgit"] = maskgit.to_dict()
+
+    @torch.no_grad()
+    def __call__(self, class_labels=None, *, num_images: Optional[int] = None, num_steps: Optional[int] = None,
+                 guidance_scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                 batch_size: int = 256, output_type: str = "pil", progress: bool = False, **_ignored):
+        """As ``VQLCMDPipeline.__call__``; ``num_steps`` defaults to the MaskGIT config's, and the continuous
+        samplers' options (``sampler``, ``final``, ``backend``) do not apply."""
+        if output_type not in ("pil", "pt", "tokens"):
+            raise ValueError(f"output_type must be 'pil', 'pt' or 'tokens', got {output_type!r}")
+        guidance_scale = self.sample_defaults.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
+        cfg = self.network.config
+        if class_labels is not None:
+            labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1)
+            if cfg.num_classes == 0:
+                raise ValueError("this pipeline is unconditional: pass num_images, not class_labels")
+            n = labels.numel()
+        else:
+            if num_images is None:
+                raise ValueError("give class_labels (conditional model) or num_images")
+            labels, n = None, num_images
+            if cfg.num_classes > 0 and guidance_scale > 0:
+                raise ValueError("guidance needs class_labels")
+        chunks = []
+        for start in range(0, n, batch_size):
+            stop = min(n, start + batch_size)
+            kw = dict(class_labels=labels[start:stop]) if labels is not None else dict(num_samples=stop - start)
+            chunks.append(maskgit_sample(self.network, num_steps=num_steps or self.maskgit.num_steps,
+                                         guidance_scale=guidance_scale, cfg=self.maskgit, generator=generator, **kw))
+        tokens = torch.cat(chunks) if chunks else torch.empty(0, cfg.seq_len, dtype=torch.long)
+        tokens = tokens.view(-1, *self.grid)
+        if output_type == "tokens":
+            return tokens
+        images = self.decode(tokens)
+        return images if output_type == "pt" else to_pil(images)
