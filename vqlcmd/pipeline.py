@@ -7,6 +7,7 @@ No pickle anywhere: safetensors + JSON only.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -17,10 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from .model import DenoiserConfig
 from .network import VQLCMDNetwork
-from .samplers import sample_tokens
+from .samplers import Generators, sample_tokens
 from .schedule import ShiftedCosineSchedule
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+FAST_MODES = ("compile", "cudagraphs")
 
 
 class VQLCMDPipeline:
@@ -34,6 +36,7 @@ class VQLCMDPipeline:
         self.class_names = list(class_names) if class_names else None
         self.sample_defaults = dict(sample_defaults or {})
         self.extra_config = dict(extra_config or {})
+        self._sampling_denoiser, self.fast_mode = None, None
 
     # ---- persistence --------------------------------------------------------------------------
     def save_pretrained(self, folder: Union[str, Path]) -> Path:
@@ -82,6 +85,37 @@ class VQLCMDPipeline:
         return cls(network, sched, tokenizer=tokenizer, tokenizer_ref=tok_ref, class_names=config.get("class_names"),
                    sample_defaults=config.get("sample"), extra_config=extra)
 
+    # ---- fast sampling ------------------------------------------------------------------------------
+    def enable_fast_sampling(self, mode: str = "compile", **compile_kwargs) -> "VQLCMDPipeline":
+        """Compile the denoiser used in the sampling loop (off by default).
+
+        ``mode``: "compile" (``torch.compile``, any device) or "cudagraphs" (``torch.compile`` with
+        mode="reduce-overhead": the compiled denoiser replays as CUDA graphs, which removes the per-step
+        launch overhead that dominates few-step sampling of small models; CUDA only). Shapes are
+        specialised (``dynamic=False``): each batch size (guidance doubles it) compiles once, so keep
+        ``batch_size`` fixed across calls. The guided step itself already runs the fused
+        ``guided_embedding_average`` (Triton on CUDA) through ``backend="auto"``.
+        """
+        if mode not in FAST_MODES:
+            raise ValueError(f"fast sampling mode must be one of {FAST_MODES}, got {mode!r}")
+        if mode == "cudagraphs" and self.device.type != "cuda":
+            raise ValueError(f"mode='cudagraphs' needs the pipeline on a CUDA device, it is on {self.device}")
+        kw = {"dynamic": False, **compile_kwargs}
+        if mode == "cudagraphs":
+            kw.setdefault("mode", "reduce-overhead")
+        self._sampling_denoiser = torch.compile(_SamplingDenoiser(self.network.denoiser), **kw)
+        self.fast_mode = mode
+        return self
+
+    def disable_fast_sampling(self) -> "VQLCMDPipeline":
+        self._sampling_denoiser, self.fast_mode = None, None
+        return self
+
+    def _denoiser(self):
+        if getattr(self, "_sampling_denoiser", None) is not None:
+            return self._sampling_denoiser
+        return _SamplingDenoiser(self.network.denoiser)
+
     # ---- sampling ---------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -90,16 +124,24 @@ class VQLCMDPipeline:
     @torch.no_grad()
     def __call__(self, class_labels=None, *, num_images: Optional[int] = None, num_steps: Optional[int] = None,
                  guidance_scale: Optional[float] = None, sampler: Optional[str] = None,
-                 generator: Optional[torch.Generator] = None, batch_size: int = 256, output_type: str = "pil",
+                 generator: Generators = None, batch_size: int = 256, output_type: str = "pil",
                  final: Optional[str] = None, progress: bool = False, backend: str = "auto"):
-        """Sample images. Conditional models take ``class_labels`` (ints); unconditional ones ``num_images``.
+        """Sample images. Conditional models take ``class_labels`` (ints); unconditional ones ``num_images``
+        (on a conditional model ``num_images`` draws from the null class, without guidance).
 
-        ``output_type``: "pil" (list of PIL images), "pt" (float tensor in [0, 1], (N, C, H, W)) or
-        "tokens" ((N, h, w) int64, no tokenizer needed).
+        ``generator``: one ``torch.Generator`` (reproducible for the same ``batch_size``) or a list with one
+        generator per image (see ``image_generators``): then each image depends only on its own generator,
+        not on the batch or rank that draws it. ``batch_size`` bounds the images per denoiser batch
+        (guidance doubles the rows). ``output_type``: "pil" (list of PIL images), "pt" (float tensor in
+        [0, 1], (N, C, H, W)) or "tokens" ((N, h, w) int64, no tokenizer needed). Defaults for
+        ``num_steps``, ``guidance_scale``, ``sampler`` and ``final`` come from the exported config.
         """
         if output_type not in ("pil", "pt", "tokens"):
             raise ValueError(f"output_type must be 'pil', 'pt' or 'tokens', got {output_type!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         d = self.sample_defaults
+        explicit_guidance = guidance_scale is not None
         num_steps = num_steps or d.get("num_steps", 50)
         guidance_scale = d.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
         sampler = sampler or d.get("sampler", "ancestral")
@@ -116,26 +158,51 @@ class VQLCMDPipeline:
             if num_images is None:
                 raise ValueError("give class_labels (conditional model) or num_images")
             labels, n = None, num_images
-            if cfg.num_classes > 0 and guidance_scale > 0:
-                raise ValueError("guidance needs class_labels")
+            if guidance_scale > 0 and cfg.num_classes > 0:
+                if explicit_guidance:
+                    raise ValueError("guidance needs class_labels")
+                guidance_scale = 0.0  # the exported default guides; without labels there is nothing to guide to
+        per_image = generator is not None and not isinstance(generator, torch.Generator)
+        if per_image:
+            generator = list(generator)
+            if len(generator) != n:
+                raise ValueError(f"{len(generator)} generators for {n} images: give one per image")
         table = self.network.embedding.table()
+        denoiser = self._denoiser()
+        bar = None
+        if progress and n > batch_size:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=n, desc=f"{sampler} {num_steps} steps", unit="img")
         chunks = []
-        for start in range(0, n, batch_size):
-            stop = min(n, start + batch_size)
-            kw = dict(class_labels=labels[start:stop].to(self.device)) if labels is not None else \
-                dict(num_samples=stop - start)
-            chunks.append(sample_tokens(self.network.denoiser, table, self.schedule, num_steps=num_steps,
-                                        sampler=sampler, guidance_scale=guidance_scale, final=final,
-                                        generator=generator, backend=backend, progress=progress, **kw))
-        tokens = torch.cat(chunks) if chunks else torch.empty(0, cfg.seq_len, dtype=torch.long)
-        grid = self.grid
-        tokens = tokens.view(-1, *grid)
+        with self._autocast():
+            for start in range(0, n, batch_size):
+                stop = min(n, start + batch_size)
+                kw = dict(class_labels=labels[start:stop].to(self.device)) if labels is not None else \
+                    dict(num_samples=stop - start)
+                chunks.append(sample_tokens(denoiser, table, self.schedule, num_steps=num_steps,
+                                            sampler=sampler, guidance_scale=guidance_scale, final=final,
+                                            generator=generator[start:stop] if per_image else generator,
+                                            backend=backend, progress=progress and bar is None, **kw))
+                if bar is not None:
+                    bar.update(stop - start)
+        if bar is not None:
+            bar.close()
+        tokens = torch.cat(chunks) if chunks else torch.empty(0, cfg.seq_len, dtype=torch.long, device=self.device)
+        tokens = tokens.view(-1, *self.grid)
         if output_type == "tokens":
             return tokens
         images = self.decode(tokens)
         if output_type == "pt":
             return images
         return to_pil(images)
+
+    def _autocast(self):
+        dtype = self.network.embedding.weight.dtype
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        # weights stored in half precision: matmuls run in that dtype, norms and the sampler's math in fp32
+        return torch.autocast(self.device.type, dtype=dtype)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -153,6 +220,24 @@ class VQLCMDPipeline:
             raise RuntimeError("no tokenizer loaded: the pipeline was exported without one, or its folder "
                                f"({self.tokenizer_ref.get('path')}) is missing; use output_type='tokens'")
         return ((self.tokenizer.decode(tokens.to(self.tokenizer.device)).float() + 1) / 2).clamp(0, 1).cpu()
+
+
+class _SamplingDenoiser(torch.nn.Module):
+    """The denoiser as the sampling loop calls it: z arrives in float32 and is cast to the weights' dtype;
+    the unit that ``enable_fast_sampling`` compiles."""
+
+    def __init__(self, denoiser):
+        super().__init__()
+        self.inner = denoiser
+        self.cfg = denoiser.cfg
+
+    def forward(self, z, t, y=None):
+        return self.inner(z.to(self.inner.in_proj.weight.dtype), t, y)
+
+
+def image_generators(seeds: Sequence[int], device: Union[str, torch.device] = "cpu") -> list:
+    """One ``torch.Generator`` per image, seeded with ``seeds[i]`` (per-image seeds for ``__call__``)."""
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
 def to_pil(images: torch.Tensor):

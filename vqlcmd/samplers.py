@@ -7,7 +7,7 @@ batched forward.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -17,6 +17,29 @@ from .ops.reference import guided_log_probs
 from .schedule import ShiftedCosineSchedule
 
 SAMPLERS = ("ancestral", "ddim")
+
+# One generator for the batch, or one per sample: then a sample's noise does not depend on which batch
+# (or rank) draws it, which is what per-image seeds in scripts/sample.py rely on.
+Generators = Union[None, torch.Generator, Sequence[torch.Generator]]
+
+
+def randn(shape, generator: Generators, device) -> torch.Tensor:
+    """Standard normal float32 draws of ``shape``; a sequence of generators gives row ``i`` from generator ``i``."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(shape, device=device, dtype=torch.float32, generator=generator)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}: give one per sample")
+    return torch.stack([torch.randn(shape[1:], device=device, dtype=torch.float32, generator=g) for g in generator])
+
+
+def multinomial_rows(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
+    """One draw per (B, M) position from probs (B, M, K) -> (B, M) int64; per-sample generators as ``randn``."""
+    B, M, K = probs.shape
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs.reshape(-1, K), 1, generator=generator).view(B, M)
+    if len(generator) != B:
+        raise ValueError(f"{len(generator)} generators for a batch of {B}: give one per sample")
+    return torch.stack([torch.multinomial(probs[i], 1, generator=g).view(M) for i, g in enumerate(generator)])
 
 
 def _logits_pair(denoiser: Callable, z, t, y, null_class: int, guided: bool):
@@ -31,7 +54,7 @@ def _logits_pair(denoiser: Callable, z, t, y, null_class: int, guided: bool):
 def ancestral_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s, generator=None):
     """z_s ~ N(μ̂, σ²(s,t) I), μ̂ = c_z z_t + c_x Ψ̂ (closed-form posterior q(z_s | z_t, x=Ψ̂))."""
     c_z, c_x, var = schedule.posterior(t, s)
-    eps = torch.randn(z_t.shape, device=z_t.device, dtype=torch.float32, generator=generator)
+    eps = randn(z_t.shape, generator, z_t.device)
     return c_z * z_t + c_x * psi + var.sqrt() * eps
 
 
@@ -54,7 +77,7 @@ def sample_tokens(
     sampler: str = "ancestral",
     guidance_scale: float = 0.0,
     final: str = "sample",
-    generator: Optional[torch.Generator] = None,
+    generator: Generators = None,
     seq_len: Optional[int] = None,
     backend: str = "auto",
     progress: bool = False,
@@ -64,6 +87,7 @@ def sample_tokens(
     Class-conditional models take ``class_labels`` (B,); unconditional ones ``num_samples``.
     ``guidance_scale`` ω ≥ 0 applies classifier-free guidance (needs a conditional model).
     ``final``: draw x ~ P(x | z_0; 0) ("sample", Algorithm 2) or take its argmax.
+    ``generator``: one torch.Generator, or a sequence of B (one per sample).
     """
     if final not in ("sample", "argmax"):
         raise ValueError(f"final must be 'sample' or 'argmax', got {final!r}")
@@ -72,8 +96,7 @@ def sample_tokens(
                               generator=generator, seq_len=seq_len, backend=backend, progress=progress)
     if final == "argmax":
         return log_p.argmax(dim=-1)
-    B, M, K = log_p.shape
-    return torch.multinomial(log_p.reshape(-1, K).exp(), 1, generator=generator).view(B, M)
+    return multinomial_rows(log_p.exp(), generator)
 
 
 @torch.no_grad()
@@ -87,7 +110,7 @@ def sample_latents(
     num_steps: int = 50,
     sampler: str = "ancestral",
     guidance_scale: float = 0.0,
-    generator: Optional[torch.Generator] = None,
+    generator: Generators = None,
     seq_len: Optional[int] = None,
     backend: str = "auto",
     progress: bool = False,
@@ -117,7 +140,7 @@ def sample_latents(
     codebook = table[:K].float()  # (K, D)
 
     grid = torch.linspace(0.0, 1.0, num_steps + 1, device=device)
-    z = torch.randn((B, M, D), device=device, dtype=torch.float32, generator=generator)
+    z = randn((B, M, D), generator, device)
     steps = range(num_steps, 0, -1)
     if progress:
         from tqdm.auto import tqdm
