@@ -6,9 +6,10 @@ Heavy dependencies (DALI, diffusers, scikit-learn) are imported where used, so t
 from .digits import CLASS_NAMES as DIGITS_CLASS_NAMES, default_cache_dir, digits_images, prepare_digits
 from .images import ImageList, image_batches, list_images
 from .loader import ShardLoader
+from .online import OnlineTokenLoader
 from .shards import ShardError, TokenShardDataset, open_shard, write_shard
 from .writer import write_token_shards
 
 __all__ = ["DIGITS_CLASS_NAMES", "default_cache_dir", "digits_images", "prepare_digits", "ImageList",
-           "image_batches", "list_images", "ShardLoader", "ShardError", "TokenShardDataset", "open_shard",
+           "image_batches", "list_images", "ShardLoader", "OnlineTokenLoader", "ShardError", "TokenShardDataset", "open_shard",
            "write_shard", "write_token_shards"]

@@ -44,6 +44,10 @@ class ShardLoader:
         """Batches per epoch on this rank."""
         return self._batches_per_epoch()
 
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._batches_per_epoch()
+
     def _per_rank(self) -> int:
         if self.drop_last:
             return self.num_samples // (self.batch_size * self.world_size) * self.batch_size
