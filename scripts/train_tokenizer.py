@@ -1,0 +1,69 @@
+"""Trains the project's small VQ tokenizer (a diffusers VQModel) and saves it as a local folder.
+
+    python scripts/train_tokenizer.py --dataset digits            # the embedded data set's tokenizer (cached)
+    python scripts/train_tokenizer.py --images DIR --size 64 --out tok/ [--channels 3] [--steps 2000]
+
+Prints the reconstruction PSNR (through the token path) and how many codes are in use.
+"""
+import argparse
+import json
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", choices=["digits"])
+    src.add_argument("--images", help="image folder (loaded into memory: meant for small trees)")
+    p.add_argument("--out", help="output folder (digits: default, the cache used by prepare_digits)")
+    p.add_argument("--size", type=int, default=32, help="image side")
+    p.add_argument("--channels", type=int, default=None, help="1 or 3 (digits: 1; images: 3)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--codebook-size", type=int, default=128)
+    p.add_argument("--code-dim", type=int, default=8)
+    p.add_argument("--channels-per-block", default="16,32,64", help="comma-separated; len-1 downsamplings by 2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    from vqlcmd.data import digits_images, image_batches, list_images, prepare_digits
+    from vqlcmd.tokenizer import TrainConfig, small_vqmodel, train_vqmodel
+
+    progress = not args.no_progress
+    if args.dataset == "digits" and args.out is None:
+        info = prepare_digits(steps=args.steps, seed=args.seed, size=args.size, progress=progress)
+        print(json.dumps(info, indent=1))
+        return info
+    if args.out is None:
+        raise SystemExit("--images needs --out")
+    if args.dataset == "digits":
+        channels = 1
+        images, _ = digits_images(args.size)
+    else:
+        channels = args.channels or 3
+        il = list_images(args.images)
+        images = torch.cat([x for x, _ in image_batches(il, args.size, 256, channels=channels)])
+    blocks = tuple(int(c) for c in args.channels_per_block.split(","))
+    torch.manual_seed(args.seed)
+    model = small_vqmodel(channels=channels, image_size=args.size, block_channels=blocks,
+                          codebook_size=args.codebook_size, code_dim=args.code_dim, groups=min(8, blocks[0]))
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    metrics = train_vqmodel(model, images, cfg, progress=progress)
+    model.save_pretrained(args.out)
+    with open(f"{args.out}/metrics.json", "w") as f:
+        json.dump(metrics, f, indent=1)
+    from vqlcmd.tokenizer import model_identifier
+
+    metrics.update(folder=args.out, tokenizer_id=model_identifier(model), images=len(images))
+    print(json.dumps(metrics, indent=1))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
