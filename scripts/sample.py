@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Sample N images from an exported pipeline folder as PNG files (and optionally one ADM-layout .npz).
+
+    python scripts/sample.py --pipeline runs/digits/pipeline --out samples/digits -n 1000
+    torchrun --nproc_per_node 8 scripts/sample.py --pipeline P --out OUT -n 50000 --npz OUT.npz
+    deepspeed --num_gpus 8 scripts/sample.py --pipeline P --out OUT -n 50000
+
+Image ``i`` is drawn with its own generator seeded from (``--seed``, i) and, for a conditional model,
+class ``i mod C`` (``--labels cycle``, balanced), a seeded random class (``--labels random``) or the
+classes given; rank r of W draws the images with i mod W = r. So the images do not depend on the
+number of ranks, and a run that stops part-way is continued by running the same command again:
+existing PNGs are kept, and ``OUT/manifest.json`` refuses a continuation with other settings.
+
+``--npz`` writes ``arr_0`` (N, H, W, 3) uint8 (grey images repeated to RGB) and, for conditional
+models, ``arr_1`` (N,) labels: the layout that the ADM evaluation suite and scripts/evaluate.py read.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# scripts/tokenize.py shadows the standard library's tokenize (which torch imports through inspect and
+# linecache): drop this folder from the path, and put the checkout on it to run without install.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+MANIFEST = "manifest.json"
+# settings that change the images: a continuation must match them
+IMAGE_KEYS = ("weights_sha256", "num_samples", "seed", "labels", "num_steps", "guidance_scale", "sampler", "final",
+              "dtype")
+
+
+def weights_digest(folder: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(folder / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def image_seed(seed: int, index: int) -> int:
+    """Per-image seed: the run seed in the high bits, the image index in the low 32."""
+    return (int(seed) << 32) | int(index)
+
+
+def class_labels(spec: str, n: int, num_classes: int, seed: int) -> list:
+    if num_classes == 0:
+        if spec != "cycle":
+            raise SystemExit(f"--labels {spec}: the pipeline is unconditional")
+        return [None] * n
+    if spec == "cycle":
+        return [i % num_classes for i in range(n)]
+    if spec == "random":
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, num_classes, (n,), generator=g).tolist()
+    try:
+        chosen = [int(c) for c in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"--labels must be 'cycle', 'random' or comma-separated class ids, got {spec!r}")
+    bad = [c for c in chosen if not 0 <= c < num_classes]
+    if bad:
+        raise SystemExit(f"--labels: classes {bad} are outside [0, {num_classes})")
+    return [chosen[i % len(chosen)] for i in range(n)]
+
+
+def png_name(i: int) -> str:
+    return f"{i:06d}.png"
+
+
+def save_png(image_chw: torch.Tensor, path: Path) -> None:
+    from PIL import Image
+
+    arr = (image_chw.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    img = Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
+    tmp = path.with_name(f".{path.name}.tmp")
+    img.save(tmp, format="PNG")
+    os.replace(tmp, path)  # a killed run never leaves a half-written PNG under the final name
+
+
+def write_npz(out: Path, n: int, labels: list, npz: Path) -> None:
+    from PIL import Image
+
+    arrs = []
+    for i in range(n):
+        a = np.asarray(Image.open(out / png_name(i)))
+        arrs.append(np.repeat(a[..., None], 3, axis=-1) if a.ndim == 2 else a[..., :3])
+    data = {"arr_0": np.stack(arrs).astype(np.uint8)}
+    if labels and labels[0] is not None:
+        data["arr_1"] = np.asarray(labels, dtype=np.int64)
+    npz.parent.mkdir(parents=True, exist_ok=True)
+    tmp = npz.with_name(npz.name + ".tmp.npz")
+    np.savez(tmp, **data)
+    os.replace(tmp, npz)
+
+
+def dist_setup(args):
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", args.local_rank if args.local_rank is not None else 0))
+    if args.device:
+        device = torch.device(args.device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def _dist_active() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier(world):
+    if _dist_active():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def check_manifest(out: Path, settings: dict, rank: int, world: int) -> None:
+    path = out / MANIFEST
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if path.is_file():
+            old = json.loads(path.read_text())
+            diff = {k: (old.get(k), settings[k]) for k in IMAGE_KEYS if old.get(k) != settings[k]}
+            if diff:
+                raise SystemExit(f"{out} holds samples made with other settings {diff} (old, new); "
+                                 "use another --out or delete the folder")
+        else:
+            tmp = path.with_name(MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(settings, indent=1))
+            os.replace(tmp, path)
+    barrier(world)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pipeline", required=True, help="exported pipeline folder (model.safetensors + config.json)")
+    p.add_argument("--out", required=True, help="folder for the PNGs (and manifest.json)")
+    p.add_argument("-n", "--num-samples", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--labels", default="cycle", help="'cycle' (i mod C), 'random', or class ids '3' / '1,7'")
+    p.add_argument("--num-steps", type=int, default=None, help="default: the pipeline's exported setting")
+    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--sampler", choices=("ancestral", "ddim"), default=None)
+    p.add_argument("--final", choices=("sample", "argmax"), default=None)
+    p.add_argument("--batch-size", type=int, default=64, help="images per denoiser batch on each rank")
+    p.add_argument("--npz", default=None, help="also write all N images as one ADM-layout .npz (rank 0)")
+    p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--fast", choices=("compile", "cudagraphs"), default=None,
+                   help="compile the denoiser for the sampling loop (see VQLCMDPipeline.enable_fast_sampling)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
+    args = p.parse_args(argv)
+    if args.num_samples < 1:
+        raise SystemExit("--num-samples must be >= 1")
+
+    from vqlcmd.pipeline import VQLCMDPipeline, image_generators
+
+    rank, world, device = dist_setup(args)
+    pipe = VQLCMDPipeline.from_pretrained(args.pipeline, device=device, dtype=getattr(torch, args.dtype))
+    d = pipe.sample_defaults
+    C = pipe.network.config.num_classes
+    settings = {
+        "pipeline": str(Path(args.pipeline).resolve()), "weights_sha256": weights_digest(Path(args.pipeline)),
+        "num_samples": args.num_samples, "seed": args.seed, "dtype": args.dtype,
+        "labels": args.labels, "num_steps": args.num_steps or d.get("num_steps", 50),
+        "guidance_scale": d.get("guidance_scale", 0.0) if args.guidance_scale is None else args.guidance_scale,
+        "sampler": args.sampler or d.get("sampler", "ancestral"), "final": args.final or d.get("final", "sample"),
+    }
+    if C == 0:
+        settings["guidance_scale"] = 0.0
+    labels = class_labels(args.labels, args.num_samples, C, args.seed)
+    out = Path(args.out)
+    check_manifest(out, {**settings, "class_labels": labels if C else None}, rank, world)
+    out.mkdir(parents=True, exist_ok=True)  # ranks may not share rank 0's file system view of a fresh folder
+
+    mine = [i for i in range(rank, args.num_samples, world) if not (out / png_name(i)).is_file()]
+    kept = len(range(rank, args.num_samples, world)) - len(mine)
+    if args.fast:
+        pipe.enable_fast_sampling(args.fast)
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(mine), desc=f"rank 0/{world} sampling", unit="img")
+    if rank == 0 and kept:
+        print(f"continuing: rank 0 keeps {kept} existing images", file=sys.stderr)
+    t0 = time.perf_counter()
+    for start in range(0, len(mine), args.batch_size):
+        idx = mine[start:start + args.batch_size]
+        gens = image_generators([image_seed(args.seed, i) for i in idx], device=device)
+        kw = dict(class_labels=[labels[i] for i in idx]) if C else dict(num_images=len(idx))
+        images = pipe(**kw, num_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"],
+                      sampler=settings["sampler"], final=settings["final"], generator=gens,
+                      batch_size=args.batch_size, output_type="pt")
+        for i, img in zip(idx, images):
+            save_png(img, out / png_name(i))
+        if bar is not None:
+            bar.update(len(idx))
+            bar.set_postfix(img_per_s=f"{(start + len(idx)) / (time.perf_counter() - t0):.2f}")
+    seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    made = torch.tensor([len(mine), seconds], dtype=torch.float64)
+    if _dist_active():
+        import torch.distributed as dist
+
+        gathered = made.to(device) if device.type == "cuda" else made
+        dist.all_reduce(gathered, op=dist.ReduceOp.SUM)  # images summed; seconds summed, divided below
+        made = gathered.cpu() / torch.tensor([1.0, world], dtype=torch.float64)
+    barrier(world)
+    if rank == 0:
+        n_made, mean_seconds = int(made[0]), float(made[1])
+        rate = n_made / mean_seconds if mean_seconds > 0 else float("nan")
+        print(f"sampled {n_made} new images ({args.num_samples - n_made} kept) on {world} rank(s) in "
+              f"{mean_seconds:.1f} s: {rate:.2f} images/s ({settings['sampler']}, {settings['num_steps']} steps, "
+              f"guidance {settings['guidance_scale']}) -> {out}")
+        if args.npz:
+            write_npz(out, args.num_samples, labels, Path(args.npz))
+            print(f"npz -> {args.npz}")
+    barrier(world)
+    if _dist_active():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

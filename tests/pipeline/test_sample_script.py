@@ -1,0 +1,89 @@
+"""scripts/sample.py: per-image seeds (rank-count independence), restarts, the ADM .npz layout."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sample_script():
+    spec = importlib.util.spec_from_file_location("sample_script", ROOT / "scripts" / "sample.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def pipe_dir(tiny_pipeline, tmp_path_factory):
+    return tiny_pipeline.save_pretrained(tmp_path_factory.mktemp("sample") / "pipe")
+
+
+def _args(pipe_dir, out, *extra):
+    return ["--pipeline", str(pipe_dir), "--out", str(out), "-n", "7", "--num-steps", "3", "--batch-size", "3",
+            "--no-progress", *extra]
+
+
+def _read(out):
+    return {p.name: p.read_bytes() for p in sorted(Path(out).glob("*.png"))}
+
+
+def _as_rank(monkeypatch, mod, rank, world):
+    import torch
+
+    monkeypatch.setattr(mod, "dist_setup", lambda args: (rank, world, torch.device("cpu")))
+    monkeypatch.setattr(mod, "barrier", lambda world: None)
+
+
+def test_images_do_not_depend_on_the_number_of_ranks(sample_script, pipe_dir, tmp_path, monkeypatch):
+    assert sample_script.main(_args(pipe_dir, tmp_path / "one", "--npz", str(tmp_path / "one.npz"))) == 0
+    one = _read(tmp_path / "one")
+    assert sorted(one) == [f"{i:06d}.png" for i in range(7)]
+    # the same command as ranks 0..2 of 3 (ranks run one after another here; the split is what matters)
+    for rank in (1, 2, 0):
+        _as_rank(monkeypatch, sample_script, rank, 3)
+        sample_script.main(_args(pipe_dir, tmp_path / "three"))
+    assert _read(tmp_path / "three") == one
+    data = np.load(tmp_path / "one.npz")
+    assert data["arr_0"].shape == (7, 16, 16, 3) and data["arr_0"].dtype == np.uint8
+    assert data["arr_1"].tolist() == [0, 1, 2, 3, 0, 1, 2]  # --labels cycle
+
+
+def test_a_stopped_run_continues_and_keeps_its_images(sample_script, pipe_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    sample_script.main(_args(pipe_dir, out))
+    full = _read(out)
+    (out / "000002.png").unlink()
+    (out / "000006.png").unlink()
+    kept = (out / "000000.png").stat().st_mtime_ns
+    sample_script.main(_args(pipe_dir, out))
+    assert _read(out) == full
+    assert (out / "000000.png").stat().st_mtime_ns == kept
+    assert "sampled 2 new images (5 kept)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="other settings"):
+        sample_script.main(_args(pipe_dir, out, "--seed", "1"))
+
+
+def test_labels_option(sample_script):
+    assert sample_script.class_labels("cycle", 5, 3, 0) == [0, 1, 2, 0, 1]
+    assert sample_script.class_labels("1,7", 3, 10, 0) == [1, 7, 1]
+    r = sample_script.class_labels("random", 50, 10, 0)
+    assert r == sample_script.class_labels("random", 50, 10, 0) and len(set(r)) > 5
+    with pytest.raises(SystemExit, match="outside"):
+        sample_script.class_labels("12", 3, 10, 0)
+    assert sample_script.image_seed(1, 5) != sample_script.image_seed(0, 5)
+
+
+@pytest.mark.slow  # two real ranks under torchrun (gloo): two interpreters importing torch and diffusers
+def test_torchrun_two_ranks_match_one(sample_script, pipe_dir, tmp_path):
+    sample_script.main(_args(pipe_dir, tmp_path / "one"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           str(ROOT / "scripts" / "sample.py"), *_args(pipe_dir, tmp_path / "two")]
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=600)
+    assert _read(tmp_path / "two") == _read(tmp_path / "one")
