@@ -14,6 +14,7 @@ A stage that cannot run at all raises :class:`StageSkipped`.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Union
@@ -36,9 +37,15 @@ class Context:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    # Full runs stop repeating a case after this many seconds once MIN_REPS are in: on a 2-core
+    # machine a single paper-size step takes seconds and a stage would otherwise take many minutes.
+    time_budget_s: float = 20.0
+
     def repetitions(self, warmup: int = 3, reps: int = 10) -> dict:
         """``measure`` keyword arguments: the given counts, or the least that still gives a median in quick mode."""
-        return dict(warmup=1, reps=2) if self.quick else dict(warmup=warmup, reps=reps)
+        if self.quick:
+            return dict(warmup=1, reps=2)
+        return dict(warmup=warmup, reps=reps, budget_s=self.time_budget_s)
 
 
 @dataclass
@@ -106,8 +113,11 @@ def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, sh
         figures = extra(timing) if extra else {}
     except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
         out.append(Skip(stage, case, backend, describe_error(exc), failed=True))
+        print(f"  {stage} | {case} | {backend} | {shape}: FAILED {describe_error(exc)}", file=sys.stderr, flush=True)
         return None
     out.append(Result(stage, case, backend, shape, dtype, timing, baseline, figures))
+    # progress for long runs (stderr: the table on stdout stays clean)
+    print(f"  {stage} | {case} | {backend} | {shape}: {timing.median_ms:.3g} ms", file=sys.stderr, flush=True)
     return timing
 
 
@@ -116,9 +126,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+MIN_REPS = 3
+
+
 def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, reps: int = 10,
-            setup: Optional[Callable[[], None]] = None) -> Timing:
-    """Median wall time of ``fn()`` and its peak memory above the starting point."""
+            setup: Optional[Callable[[], None]] = None, budget_s: Optional[float] = None) -> Timing:
+    """Median wall time of ``fn()`` and its peak memory above the starting point.
+
+    With ``budget_s``, the repetitions stop early once ``MIN_REPS`` are done and the timed
+    runs have taken that long; ``Timing.reps`` says how many ran.
+    """
     for _ in range(warmup):
         if setup:
             setup()
@@ -137,6 +154,8 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
+            if _spent(times, budget_s):
+                break
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
         # CPU: time without tracing, then one traced run for the peak (tracemalloc slows the code)
@@ -146,11 +165,17 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+            if _spent(times, budget_s):
+                break
         if setup:
             setup()
         peak = cpu_peak_bytes(fn)
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
     return Timing(statistics.median(times), q[2] - q[0], int(peak), len(times))
+
+
+def _spent(times_ms: list, budget_s: Optional[float]) -> bool:
+    return budget_s is not None and len(times_ms) >= MIN_REPS and sum(times_ms) > 1e3 * budget_s
 
 
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:

@@ -87,16 +87,29 @@ def run_stage(name: str, ctx: Context) -> list:
     return records
 
 
+def _key(r: Result, backend: str) -> tuple:
+    return (r.stage, r.case, r.shape, r.dtype, backend)
+
+
 def speedups(records: list) -> dict[int, float]:
-    """Speed-up of each Result over its baseline: same stage, case, shape and dtype, measured in this run."""
-    by_key = {(r.stage, r.case, r.shape, r.dtype, r.backend): r for r in records if isinstance(r, Result)}
+    """Speed-up of each Result over its baseline: same stage, case, shape and dtype, measured in this run.
+
+    A baseline row gets 1.0, whether it names itself as baseline or leaves ``baseline`` empty.
+    """
+    results = [r for r in records if isinstance(r, Result)]
+    by_key = {_key(r, r.backend): r for r in results}
     out = {}
-    for r in records:
-        if isinstance(r, Result) and r.baseline:
-            base = by_key.get((r.stage, r.case, r.shape, r.dtype, r.baseline))
+    for r in results:
+        if r.baseline:
+            base = by_key.get(_key(r, r.baseline))
             if base is not None and r.timing.median_ms > 0:
                 out[id(r)] = base.timing.median_ms / r.timing.median_ms
+                out[id(base)] = 1.0
     return out
+
+
+def is_baseline(r: Result, ups: dict[int, float]) -> bool:
+    return r.backend == r.baseline or (not r.baseline and ups.get(id(r)) == 1.0)
 
 
 def device_name(device: torch.device) -> str:
@@ -174,7 +187,7 @@ def format_table(records: list, ups: dict[int, float]) -> str:
         if not isinstance(r, Result):
             continue
         up = ups.get(id(r))
-        up_s = "base" if r.backend == r.baseline else (f"{up:.2f}x" if up is not None else "-")
+        up_s = "base" if is_baseline(r, ups) else (f"{up:.2f}x" if up is not None else "-")
         figures = "  ".join(f"{k}={_fmt_num(v)}" for k, v in r.extra.items())
         lines.append((r.stage, r.case, r.backend, r.shape, r.dtype, _fmt_ms(r.timing.median_ms),
                       _fmt_ms(r.timing.spread_ms), _fmt_bytes(r.timing.peak_mem_bytes), up_s, figures))

@@ -30,7 +30,7 @@ def _presets(ctx: Context) -> list[tuple[str, dict]]:
         return [("tiny", {})]
     if ctx.is_cuda:
         return [("ffhq-56m", {}), ("imagenet-246m", {})]
-    return [("digits-1m", {}), ("ffhq-56m", dict(warmup=2, reps=5))]
+    return [("digits-1m", {}), ("ffhq-56m", dict(warmup=1, reps=3))]
 
 
 def _deepspeed_builder(kind: str):

@@ -29,7 +29,7 @@ def _setting(ctx: Context) -> tuple[str, int, tuple[int, ...]]:
         return "tiny", 2, (5,)
     if ctx.is_cuda:
         return "imagenet-246m", 64, (5, 50)
-    return "digits-1m", 16, (5, 50)
+    return "digits-1m", 4, (5, 50)
 
 
 def run(ctx: Context) -> list:

@@ -87,7 +87,7 @@ def _cases(ctx: Context) -> list[tuple[str, int, dict]]:
         return [("tiny", 4, {})]
     if ctx.is_cuda:
         return [("digits-1m", 256, {}), ("ffhq-56m", 64, {}), ("imagenet-246m", 64, {})]
-    return [("digits-1m", 64, dict(warmup=2, reps=5))]
+    return [("digits-1m", 64, dict(warmup=1, reps=5))]
 
 
 def run(ctx: Context) -> list:

@@ -95,6 +95,10 @@ def test_speedups_pair_each_result_with_its_baseline_only():
     assert ups[id(base)] == pytest.approx(1.0)
     assert ups[id(fast)] == pytest.approx(2.0)
     assert id(other_case) not in ups  # no baseline measured for that case
+    # a baseline row that leaves ``baseline`` empty is still recognised through the rows that name it
+    unnamed = _result("base", 4.0, baseline="")
+    ups = bench.speedups([unnamed, fast])
+    assert ups[id(unnamed)] == pytest.approx(1.0) and bench.is_baseline(unnamed, ups)
 
 
 def test_rows_go_to_jsonl_and_csv_and_skips_to_the_table(tmp_path):
