@@ -31,6 +31,18 @@ constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;  // golden ratio
 constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;  // sqrt(3) - 1
 
+// One round on a counter held in four words (the CPU kernel runs it over arrays
+// of counters, which compilers turn into vector code).
+VQLCMD_HD void philox_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0, uint32_t k1) {
+  uint32_t hi0, hi1;
+  const uint32_t lo0 = mulhilo32(kPhiloxM0, c0, &hi0);
+  const uint32_t lo1 = mulhilo32(kPhiloxM1, c2, &hi1);
+  c0 = hi1 ^ c1 ^ k0;
+  c1 = lo1;
+  c2 = hi0 ^ c3 ^ k1;
+  c3 = lo0;
+}
+
 VQLCMD_HD Philox4 philox4x32_10(Philox4 ctr, uint32_t k0, uint32_t k1) {
 #if defined(__CUDACC__)
 #pragma unroll
@@ -40,10 +52,7 @@ VQLCMD_HD Philox4 philox4x32_10(Philox4 ctr, uint32_t k0, uint32_t k1) {
       k0 += kPhiloxW0;
       k1 += kPhiloxW1;
     }
-    uint32_t hi0, hi1;
-    const uint32_t lo0 = mulhilo32(kPhiloxM0, ctr.x[0], &hi0);
-    const uint32_t lo1 = mulhilo32(kPhiloxM1, ctr.x[2], &hi1);
-    ctr = Philox4{{hi1 ^ ctr.x[1] ^ k0, lo1, hi0 ^ ctr.x[3] ^ k1, lo0}};
+    philox_round(ctr.x[0], ctr.x[1], ctr.x[2], ctr.x[3], k0, k1);
   }
   return ctr;
 }
