@@ -286,6 +286,14 @@ def test_ddim_teacher_step_matches_reference(D, z_dtype, table_dtype, gen):
     close(out, ref, z_dtype)
 
 
+def test_ddim_teacher_step_float64_table(gen):
+    tokens = torch.randint(0, 5, (2, 3), generator=gen)
+    table, z_t = torch.randn(5, 8, generator=gen, dtype=torch.float64), torch.randn(2, 3, 8, generator=gen)
+    coef = [torch.rand(2, generator=gen) + 0.1 for _ in range(4)]
+    torch.testing.assert_close(ops.ddim_teacher_step(tokens, table, z_t, *coef, backend="compiled"),
+                               ops.ddim_teacher_step(tokens, table, z_t, *coef, backend="reference"))
+
+
 def test_ddim_teacher_step_empty_bad_ids_and_no_grad():
     table = torch.randn(5, 4, requires_grad=True)
     out = ops.ddim_teacher_step(torch.zeros(0, 3, dtype=torch.long), table, torch.zeros(0, 3, 4),

@@ -133,6 +133,8 @@ def _noise_backward(ctx, grad):
 # ---- ddim_teacher_step -----------------------------------------------------------------------
 
 def ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s):
+    if table.dtype not in KERNEL_DTYPES:  # the dispatcher saw z_t's dtype only
+        table = table.float()
     with torch.no_grad():  # the teacher is a fixed target (VQ-LCMD.md step 4)
         return torch.ops.vqlcmd.ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
 
