@@ -9,8 +9,14 @@ every --every steps. Writes a PNG plot next to the table when --plot is given.
 """
 from __future__ import annotations
 
-import argparse
+import os
 import sys
+
+# scripts/ is sys.path[0] when a script runs; scripts/tokenize.py would shadow the standard library's
+# tokenize module (imported lazily by linecache, inspect, torch), so take scripts/ off the path first.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse
 import time
 from pathlib import Path
 

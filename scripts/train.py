@@ -9,9 +9,15 @@ DeepSpeed's keys and a ``vqlcmd`` section (see configs/README.md).
 """
 from __future__ import annotations
 
+import os
+import sys
+
+# scripts/ is sys.path[0] when a script runs; scripts/tokenize.py would shadow the standard library's
+# tokenize module (imported lazily by linecache, inspect, torch), so take scripts/ off the path first.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
 import argparse
 import json
-import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without install
