@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import Context, Result, Timing, measure
+from benchmarks.harness import Context, Result, StageSkipped, Timing, measure
 from vqlcmd import ops
 
 STAGE = "compiled_ops"
@@ -91,8 +91,9 @@ def _cases(ctx: Context):
 
 
 def run(ctx: Context) -> list[Result]:
-    if ops.why_not("categorical_kl", "compiled", torch.empty(1, device=ctx.device)) is not None:
-        return []  # not built, or built without CUDA kernels for a CUDA context
+    reason = ops.why_not("categorical_kl", "compiled", torch.empty(1, device=ctx.device))
+    if reason is not None:  # not built, or built without CUDA kernels for a CUDA context
+        raise StageSkipped(reason)
     copy_bps = copy_bandwidth(ctx.device, 8 << 20 if ctx.quick else 512 << 20) if ctx.device.type == "cuda" else None
     results = []
     for op, case, shape, nbytes, make in _cases(ctx):
