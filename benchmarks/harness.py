@@ -102,14 +102,19 @@ def describe_error(exc: BaseException) -> str:
 
 def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, shape: str, dtype: str,
              fn: Callable[[], object], baseline: str = "", setup: Optional[Callable[[], None]] = None,
-             extra: Optional[Callable[[Timing], dict]] = None, warmup: int = 3, reps: int = 10) -> Optional[Timing]:
+             extra: Optional[Callable[[Timing], dict]] = None, warmup: int = 3, reps: int = 10,
+             budget_s: Optional[float] = None) -> Optional[Timing]:
     """Measure one case and append its Result to ``out``; on an exception append a failed Skip instead.
 
     ``extra(timing)`` turns the timing into figures such as images/s; ``warmup``/``reps``
-    are the full-run counts (quick mode uses fewer).
+    are the full-run counts (quick mode uses fewer); ``budget_s`` overrides ``ctx.time_budget_s``.
+    Passing ``**ctx.repetitions(...)`` works too.
     """
+    counts = ctx.repetitions(warmup, reps)
+    if budget_s is not None and "budget_s" in counts:
+        counts["budget_s"] = budget_s
     try:
-        timing = measure(fn, ctx.device, setup=setup, **ctx.repetitions(warmup, reps))
+        timing = measure(fn, ctx.device, setup=setup, **counts)
         figures = extra(timing) if extra else {}
     except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
         out.append(Skip(stage, case, backend, describe_error(exc), failed=True))

@@ -223,6 +223,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"results file to append to: .jsonl or .csv (default {DEFAULT_OUT.relative_to(ROOT)})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice). On a machine shared with other jobs, "
+                        "1 avoids OpenMP threads waiting on each other for whole time slices")
     p.add_argument("--list", action="store_true", help="list the stages and exit")
     return p.parse_args(argv)
 
@@ -243,6 +246,8 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device.type == "cpu":
         # DeepSpeed would otherwise find no GPU, pick its CPU accelerator anyway and say so on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

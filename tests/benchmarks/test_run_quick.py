@@ -30,8 +30,11 @@ STATUSES = {"ok", "skipped", "failed"}
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "results.jsonl"
+    # one thread: on a CI machine shared with other jobs, two OpenMP threads wait on each other for whole
+    # time slices and the run takes several times longer
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--device", "cpu",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+                           "--threads", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200)
     rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc, rows
 
@@ -56,6 +59,7 @@ def test_every_stage_is_reported_with_well_formed_rows(quick_run):
         assert set(r) == set(bench.ROW_FIELDS), r
         assert r["status"] in STATUSES
         assert r["device"] == "cpu" and r["quick"] is True and r["torch"] == torch.__version__
+        assert r["host_threads"] == 1
         assert r["device_name"] and r["commit"] and r["timestamp"]
         if r["status"] == "ok":
             assert r["median_ms"] > 0 and r["spread_ms"] >= 0 and r["reps"] >= 2
