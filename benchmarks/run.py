@@ -195,7 +195,8 @@ def format_table(records: list, ups: dict[int, float]) -> str:
     numeric = {5, 6, 7, 8}
 
     def fmt(cols):
-        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths))).rstrip()
+        cells = (c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths)))
+        return "  ".join(cells).rstrip()
 
     out = [fmt(header), fmt(["-" * w for w in widths])]
     prev_stage = None

@@ -1,11 +1,13 @@
 """Denoiser forward (inference) and forward+backward (training mode) per preset.
 
 The backend column is the attention backend the blocks use: ``math`` (baseline),
-``sdpa``, ``auto`` (flash-attn where installed on CUDA; measured only when it picks a
-backend not already in the table, so not on CPU, where it means SDPA) and, on CUDA outside quick mode, ``auto+compile`` (``torch.compile`` of the
-whole denoiser; compile time is spent in the warm-up). GPU runs the paper presets
-under bf16 autocast (fp32 weights, as in mixed-precision training); CPU runs fp32 and, outside quick mode, ``ffhq-56m`` at
-batch 1 with few repetitions (each rep takes seconds there); ``imagenet-246m`` is GPU-only.
+``sdpa``, ``auto`` (flash-attn where installed on CUDA; measured only when it
+picks a backend not already in the table, so not on CPU, where it means SDPA)
+and, on CUDA outside quick mode, ``auto+compile`` (``torch.compile`` of the whole
+denoiser; compile time is spent in the warm-up). GPU runs the paper presets under
+bf16 autocast (fp32 weights, as in mixed-precision training); CPU runs fp32 and,
+outside quick mode, ``ffhq-56m`` at batch 1 with few repetitions (each rep takes
+seconds there); ``imagenet-246m`` is GPU-only.
 """
 from __future__ import annotations
 
