@@ -99,15 +99,18 @@ def distribution_metrics(images: torch.Tensor, k: int = 3) -> dict:
     return {"fid": fid_from_features(real, fake), **precision_recall(real, fake, k=k)}
 
 
-def real_reference(size: int = 32, seed: int = 0, k: int = 3) -> dict:
-    """The same distribution metrics between two disjoint, class-stratified halves of the real digits: the
-    floor that finite samples leave (FID of a perfect model at ~900 samples is this, not 0)."""
+def real_reference(size: int = 32, seed: int = 0, k: int = 3, n: Optional[int] = None) -> dict:
+    """The same distribution metrics between two disjoint, class-stratified halves of the real digits (or
+    ``n`` digits of one half against the other): the floor that finite samples leave (the FID of a
+    perfect model at that many samples is this, not 0)."""
     from sklearn.model_selection import train_test_split
 
     from .stats import fid_from_features, precision_recall
 
     x, y = _real(size)
     a, b = train_test_split(np.arange(len(y)), test_size=0.5, random_state=seed, stratify=y)
+    if n is not None and n < len(b):
+        b, _ = train_test_split(b, train_size=n, random_state=seed, stratify=y[b])
     fa, fb = hidden_features(x[a], size), hidden_features(x[b], size)
     return {"fid": fid_from_features(fa, fb), **precision_recall(fa, fb, k=k), "num_samples": int(len(b))}
 

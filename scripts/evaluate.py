@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Evaluate a sample folder or .npz: FID, Inception Score and precision/recall (k = 3), or the digits metrics.
+
+    python scripts/evaluate.py SAMPLES --ref REF --inception-weights weights-inception-2015-12-05-6726825d.pth
+    python scripts/evaluate.py SAMPLES --digits
+
+SAMPLES: a folder of PNG/JPEG files (read in name order; labels from the ``manifest.json`` that
+scripts/sample.py writes) or an ADM-layout ``.npz`` (``arr_0`` uint8 (N, H, W, 3), optional ``arr_1``
+labels). REF: an image folder, an ADM reference batch / sample ``.npz`` (``arr_0``), or statistics
+(``.npz`` with ``mu`` and ``sigma``, and ``pool`` features for precision/recall) saved by ``--save-ref``.
+Where a reference batch holds both images and ``mu``/``sigma``, its images are re-encoded with this
+Inception so that both sides come from one network.
+
+Inception (torch-fidelity's port of the TF FID network) needs a local weights file: ``--inception-weights``
+or ``$VQLCMD_INCEPTION_WEIGHTS``. ``--digits`` needs no download: a classifier fitted on the embedded
+digits gives class accuracy (conditional samples) and FID / precision / recall in its feature space
+against all 1797 real digits (see vqlcmd/metrics/digits.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# scripts/tokenize.py shadows the standard library's tokenize (which torch imports through inspect and
+# linecache): drop this folder from the path, and put the checkout on it to run without install.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+IMAGE_EXTS = (".png", ".jpg", ".jpeg")
+
+
+def image_files(folder: Path) -> list:
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
+    if not files:
+        raise SystemExit(f"{folder}: no {'/'.join(IMAGE_EXTS)} files")
+    return files
+
+
+def read_image(path: Path, grey: bool = False) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("L" if grey else "RGB"))
+
+
+def folder_batches(files, batch_size: int):
+    for i in range(0, len(files), batch_size):
+        yield np.stack([read_image(f) for f in files[i:i + batch_size]])
+
+
+def load_labels(source: Path, n: int):
+    """Class labels of a sample set: ``arr_1`` of an .npz, ``class_labels`` of a folder's manifest.json."""
+    if source.suffix == ".npz":
+        with np.load(source) as data:
+            return torch.as_tensor(data["arr_1"]) if "arr_1" in data.files else None
+    manifest = source / "manifest.json"
+    if manifest.is_file():
+        labels = json.loads(manifest.read_text()).get("class_labels")
+        if labels and labels[0] is not None:
+            if len(labels) != n:
+                raise SystemExit(f"{manifest} lists {len(labels)} labels but {source} holds {n} images")
+            return torch.as_tensor(labels)
+    return None
+
+
+def image_source(path: Path, batch_size: int):
+    """(number of images, iterable of uint8 batches) of a folder or an .npz's ``arr_0``."""
+    if path.is_dir():
+        files = image_files(path)
+        return len(files), folder_batches(files, batch_size)
+    if path.suffix == ".npz":
+        with np.load(path) as data:
+            if "arr_0" not in data.files:
+                raise SystemExit(f"{path}: no arr_0 images (keys: {data.files})")
+            arr = data["arr_0"]
+        return len(arr), (arr[i:i + batch_size] for i in range(0, len(arr), batch_size))
+    raise SystemExit(f"{path}: expected an image folder or a .npz file")
+
+
+def reference_features(ref: Path, extractor, batch_size: int) -> dict:
+    if ref.suffix == ".npz":
+        with np.load(ref) as data:
+            keys = set(data.files)
+            if "arr_0" not in keys:  # statistics, not images
+                if "pool" not in keys and not {"mu", "sigma"} <= keys:
+                    raise SystemExit(f"{ref}: neither images (arr_0) nor statistics (mu, sigma or pool); "
+                                     f"keys: {sorted(keys)}")
+                return {k: data[k] for k in ("mu", "sigma", "pool") if k in keys}
+    _, batches = image_source(ref, batch_size)
+    return extractor(batches)
+
+
+def evaluate_inception(args) -> dict:
+    from vqlcmd.metrics.inception import InceptionFeatures, inception_metrics
+    from vqlcmd.metrics.stats import feature_statistics
+
+    metrics = tuple(m.strip() for m in args.metrics.split(","))
+    unknown = set(metrics) - {"fid", "is", "pr"}
+    if unknown:
+        raise SystemExit(f"--metrics: unknown {sorted(unknown)}; choose from fid, is, pr")
+    if ("fid" in metrics or "pr" in metrics) and not args.ref:
+        raise SystemExit("FID and precision/recall need --ref (or use --metrics is)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        extractor = InceptionFeatures(args.inception_weights, device=device, batch_size=args.batch_size)
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc))
+    _, batches = image_source(Path(args.samples), args.batch_size)
+    fake = extractor(batches)
+    ref = {}
+    if args.ref:
+        ref = reference_features(Path(args.ref), extractor, args.batch_size)
+        if args.save_ref and "pool" in ref:
+            mu, sigma = feature_statistics(ref["pool"])
+            np.savez(args.save_ref, mu=mu, sigma=sigma, pool=ref["pool"])
+            print(f"reference statistics -> {args.save_ref}", file=sys.stderr)
+    return inception_metrics(fake, ref, k=args.k, splits=args.splits, metrics=metrics)
+
+
+def evaluate_digits(args) -> dict:
+    from vqlcmd.metrics.digits import evaluate_digit_samples, real_reference
+
+    src = Path(args.samples)
+    if src.is_dir():
+        images = np.stack([read_image(f, grey=True) for f in image_files(src)])
+    else:
+        _, batches = image_source(src, 1 << 30)
+        images = next(iter(batches))
+        images = images.mean(-1) if images.ndim == 4 else images  # RGB-repeated grey back to one channel
+    x = torch.as_tensor(np.asarray(images, dtype=np.float32) / 255.0)[:, None]
+    labels = load_labels(src, len(x))
+    out = evaluate_digit_samples(x, labels)
+    out["real_halves"] = real_reference(x.shape[-1])
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("samples", help="sample folder or .npz")
+    p.add_argument("--ref", default=None, help="reference: image folder, .npz batch, or saved statistics")
+    p.add_argument("--digits", action="store_true", help="digits metrics against the embedded real digits")
+    p.add_argument("--inception-weights", default=None,
+                   help="local weights-inception-2015-12-05-6726825d.pth (default $VQLCMD_INCEPTION_WEIGHTS)")
+    p.add_argument("--metrics", default="fid,is,pr", help="comma-separated subset of fid, is, pr")
+    p.add_argument("--k", type=int, default=3, help="neighbourhood size for precision/recall")
+    p.add_argument("--splits", type=int, default=10, help="Inception Score splits")
+    p.add_argument("--save-ref", default=None, help="save the reference's mu/sigma/pool features to this .npz")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args(argv)
+
+    result = evaluate_digits(args) if args.digits else evaluate_inception(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

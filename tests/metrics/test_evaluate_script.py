@@ -1,0 +1,117 @@
+"""scripts/evaluate.py: digits mode on real digits, Inception mode with weights the test makes (random,
+but in torch-fidelity's file format), and the errors for missing weights."""
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def evaluate():
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def inception_weights(tmp_path_factory):
+    """A randomly initialised torch-fidelity Inception-v3 saved as its weights file (none can be downloaded)."""
+    import torch_fidelity.feature_extractor_inceptionv3 as fe
+
+    cls = fe.FeatureExtractorInceptionV3
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fe, "load_state_dict_from_url", lambda *a, **k: {})
+        mp.setattr(cls, "load_state_dict", lambda self, sd, *a, **k: None)
+        torch.manual_seed(0)
+        net = cls("inception-v3-compat", ["2048"])
+    for m in net.modules():  # He init keeps activations O(1) through the ~20 layers (the default shrinks them)
+        if isinstance(m, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+    path = tmp_path_factory.mktemp("inception") / "weights-inception-2015-12-05-6726825d.pth"
+    torch.save(net.state_dict(), path)
+    return path
+
+
+def _write_pngs(folder, images):
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    for i, a in enumerate(images):
+        Image.fromarray(a).save(folder / f"{i:06d}.png")
+
+
+def test_digits_mode_on_real_digits(evaluate, tmp_path, capsys):
+    from vqlcmd.data.digits import digits_images
+
+    images, labels = digits_images(32)
+    idx = np.arange(0, 1797, 6)
+    arr = ((images[idx, 0] + 1) / 2 * 255).round().to(torch.uint8).numpy()
+    _write_pngs(tmp_path / "s", arr)
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps({"class_labels": labels[idx].tolist()}))
+    assert evaluate.main([str(tmp_path / "s"), "--digits", "--json", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["num_samples"] == len(idx) and r["accuracy"] > 0.97
+    assert r["precision"] > 0.97 and r["fid"] < 2 * r["real_halves"]["fid"] + 0.5
+    # the same set as an ADM-layout npz (grey repeated to RGB, labels in arr_1)
+    np.savez(tmp_path / "s.npz", arr_0=np.repeat(arr[..., None], 3, -1), arr_1=labels[idx].numpy())
+    evaluate.main([str(tmp_path / "s.npz"), "--digits", "--json", str(tmp_path / "r2.json")])
+    r2 = json.loads((tmp_path / "r2.json").read_text())
+    assert r2["accuracy"] == pytest.approx(r["accuracy"]) and r2["fid"] == pytest.approx(r["fid"], rel=1e-6)
+
+
+def test_inception_metrics_on_given_features():
+    from vqlcmd.metrics.inception import inception_metrics
+    from vqlcmd.metrics.stats import feature_statistics, fid_from_features
+
+    rng = np.random.default_rng(1)
+    fake = {"pool": rng.normal(size=(60, 5)), "logits": rng.normal(size=(60, 7))}
+    ref = {"pool": rng.normal(size=(80, 5)) + 0.3}
+    r = inception_metrics(fake, ref, splits=3)
+    assert r["fid"] == pytest.approx(fid_from_features(ref["pool"], fake["pool"]))
+    assert set(r) == {"num_samples", "fid", "is", "is_std", "precision", "recall"}
+    mu, sigma = feature_statistics(ref["pool"])
+    assert inception_metrics(fake, {"mu": mu, "sigma": sigma}, metrics=("fid",))["fid"] == pytest.approx(r["fid"])
+    with pytest.raises(ValueError, match="precision/recall need the reference's features"):
+        inception_metrics(fake, {"mu": mu, "sigma": sigma})
+
+
+@pytest.mark.slow  # Inception-v3 at 299x299 on CPU: ~4 min on the shared 2-core machine
+def test_inception_mode_fid_is_pr(evaluate, inception_weights, tmp_path):
+    rng = np.random.default_rng(0)
+    samples = rng.integers(0, 256, (8, 24, 24, 3), dtype=np.uint8)
+    other = np.clip(samples.astype(int) // 2 + 100, 0, 255).astype(np.uint8)
+    np.savez(tmp_path / "samples.npz", arr_0=samples)
+    _write_pngs(tmp_path / "same", samples)
+    np.savez(tmp_path / "other.npz", arr_0=other)
+    w = ["--inception-weights", str(inception_weights), "--splits", "2", "--batch-size", "8"]
+    evaluate.main([str(tmp_path / "samples.npz"), "--ref", str(tmp_path / "same"), *w, "--json",
+                   str(tmp_path / "same.json"), "--save-ref", str(tmp_path / "stats.npz")])
+    same = json.loads((tmp_path / "same.json").read_text())
+    assert same["fid"] == pytest.approx(0.0, abs=1e-3)
+    assert same["precision"] == 1.0 and same["recall"] == 1.0
+    assert same["is"] >= 1.0 and same["num_samples"] == 8
+    evaluate.main([str(tmp_path / "other.npz"), "--ref", str(tmp_path / "stats.npz"), *w, "--json",
+                   str(tmp_path / "other.json")])
+    other_r = json.loads((tmp_path / "other.json").read_text())
+    assert other_r["fid"] > 1e-3
+    # statistics saved from the reference give the same FID as its images
+    evaluate.main([str(tmp_path / "other.npz"), "--ref", str(tmp_path / "same"), *w, "--json",
+                   str(tmp_path / "other2.json"), "--metrics", "fid"])
+    assert json.loads((tmp_path / "other2.json").read_text())["fid"] == pytest.approx(other_r["fid"], rel=1e-5)
+
+
+def test_missing_weights_name_the_file(evaluate, tmp_path, monkeypatch):
+    np.savez(tmp_path / "s.npz", arr_0=np.zeros((2, 8, 8, 3), np.uint8))
+    monkeypatch.delenv("VQLCMD_INCEPTION_WEIGHTS", raising=False)
+    with pytest.raises(SystemExit, match="weights-inception-2015-12-05-6726825d.pth"):
+        evaluate.main([str(tmp_path / "s.npz"), "--metrics", "is"])
+    with pytest.raises(SystemExit, match=r"nowhere\.pth does not exist"):
+        evaluate.main([str(tmp_path / "s.npz"), "--metrics", "is", "--inception-weights", str(tmp_path / "nowhere.pth")])
+    with pytest.raises(SystemExit, match="need --ref"):
+        evaluate.main([str(tmp_path / "s.npz"), "--inception-weights", str(tmp_path / "nowhere.pth")])

@@ -1,0 +1,29 @@
+"""scripts/digits_table.py on the tiny pipeline: cells, cache-based continuation, Markdown layout."""
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+import pytest
+
+
+@pytest.mark.slow  # fits the digit classifiers at 16 px: minutes on the shared 2-core CPU
+def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys):
+    folder = tiny_pipeline.save_pretrained(tmp_path / "pipe")
+    spec = importlib.util.spec_from_file_location("digits_table", ROOT / "scripts" / "digits_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "table.md"
+    args = ["--pipeline", str(folder), "--out", str(out), "--steps", "1,2", "--samplers", "ddim",
+            "--guidance", "0,1", "--per-class", "4"]
+    assert mod.main(args) == 0
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ddim")]
+    assert len(rows) == 4 and "| ddim | 1 | 2 |" in text
+    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 4
+    capsys.readouterr()
+    mod.main(args + ["--steps", "1,2,3"])  # only the new cells are sampled
+    printed = capsys.readouterr().out
+    assert "3 steps" in printed and " 1 steps" not in printed and " 2 steps" not in printed
+    assert len([line for line in out.read_text().splitlines() if line.startswith("| ddim")]) == 6
