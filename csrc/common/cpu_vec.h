@@ -8,6 +8,10 @@
 
 #include <algorithm>
 #include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 #include "philox.h"
@@ -55,51 +59,74 @@ inline float reduce_max(Vec v) {
   return m;
 }
 
-constexpr int kPhiloxBatch = 64;
-
-// philox_block() for blocks b0 .. b0+n-1 (n <= kPhiloxBatch), as uniforms: pair
-// 2j of the range is (ua[2j], ub[2j]) = (x0, x1) of block j, pair 2j+1 is (x2, x3).
-// The counters live in arrays and each round runs over all of them, so the
-// compiler vectorizes the 32x32->64-bit multiplies.
-inline void philox_uniform_pairs(uint64_t seed, uint64_t offset, uint64_t b0, int n, float* ua, float* ub) {
-  uint32_t c0[kPhiloxBatch], c1[kPhiloxBatch], c2[kPhiloxBatch], c3[kPhiloxBatch];
-  for (int j = 0; j < n; ++j) {
-    const uint64_t c = offset + b0 + j;
-    c0[j] = static_cast<uint32_t>(c);
-    c1[j] = static_cast<uint32_t>(c >> 32);
-    c2[j] = c3[j] = 0;
-  }
+// Uniforms of eight consecutive Philox blocks, first_block .. first_block+7, in
+// the layout philox_normals() reads: for block j of the group
+//   ua[j], ub[j]         = U(x0), U(x1)  (Box-Muller pair of elements 4b, 4b+1)
+//   ua[8 + j], ub[8 + j] = U(x2), U(x3)  (elements 4b+2, 4b+3)
+inline void philox_uniform_group(uint64_t seed, uint64_t offset, uint64_t first_block, float* ua, float* ub) {
+#if defined(CPU_CAPABILITY_AVX2)
+  // Eight counters per register; mul_epu32 multiplies the even lanes, so the odd
+  // lanes are shifted down for a second multiply and the halves blended back.
+  const auto mulhilo = [](__m256i a, __m256i m, __m256i* lo, __m256i* hi) {
+    const __m256i even = _mm256_mul_epu32(a, m);
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+    *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+    *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+  };
+  const uint64_t c = offset + first_block;
+  const __m256i base = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(c)));
+  __m256i c0 = _mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  // the 64-bit counter carries into the high word where the low word wrapped (unsigned c0 < base)
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(base, sign), _mm256_xor_si256(c0, sign));
+  __m256i c1 = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(c >> 32))), carry);
+  __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(kPhiloxM0)), m1 = _mm256_set1_epi32(static_cast<int>(kPhiloxM1));
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
+  for (int round = 0; round < 10; ++round) {  // philox_round() on eight counters
     if (round > 0) {
       k0 += kPhiloxW0;
       k1 += kPhiloxW1;
     }
-    for (int j = 0; j < n; ++j) philox_round(c0[j], c1[j], c2[j], c3[j], k0, k1);
+    __m256i lo0, hi0, lo1, hi1;
+    mulhilo(c0, m0, &lo0, &hi0);
+    mulhilo(c2, m1, &lo1, &hi1);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+    c1 = lo1;
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+    c3 = lo0;
   }
-  for (int j = 0; j < n; ++j) {
-    ua[2 * j] = uniform_open(c0[j]);
-    ub[2 * j] = uniform_open(c1[j]);
-    ua[2 * j + 1] = uniform_open(c2[j]);
-    ub[2 * j + 1] = uniform_open(c3[j]);
+  const auto uniform = [](__m256i x) {  // uniform_open() on eight words
+    const __m256 top = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9));
+    return _mm256_mul_ps(_mm256_add_ps(top, _mm256_set1_ps(0.5f)), _mm256_set1_ps(1.0f / 8388608.0f));
+  };
+  _mm256_storeu_ps(ua, uniform(c0));
+  _mm256_storeu_ps(ub, uniform(c1));
+  _mm256_storeu_ps(ua + 8, uniform(c2));
+  _mm256_storeu_ps(ub + 8, uniform(c3));
+#else
+  for (int j = 0; j < 8; ++j) {
+    const Philox4 r = philox_block(seed, offset, first_block + j);
+    ua[j] = uniform_open(r.x[0]);
+    ub[j] = uniform_open(r.x[1]);
+    ua[8 + j] = uniform_open(r.x[2]);
+    ub[8 + j] = uniform_open(r.x[3]);
   }
+#endif
 }
 
-// Noise elements n0 .. n0+count-1 (philox.h's normal_at), with Philox batched
-// and Box-Muller in vector instructions: every pair (a, b) of uniforms the range
-// touches becomes (r cos, r sin).
+// Noise elements n0 .. n0+count-1 (philox.h's normal_at): Philox in groups of
+// eight blocks, then Box-Muller in vector instructions turns every pair (a, b)
+// of uniforms into (r cos, r sin).
 inline void philox_normals(uint64_t seed, uint64_t offset, uint64_t n0, int64_t count, float* out,
                            std::vector<float>& scratch) {
   if (count <= 0) return;
   const uint64_t b0 = n0 / 4, b1 = (n0 + count - 1) / 4;
-  const int64_t blocks = static_cast<int64_t>(b1 - b0 + 1), pairs = 2 * blocks;
+  const int64_t groups = static_cast<int64_t>((b1 - b0) / 8 + 1), pairs = 16 * groups;
   scratch.resize(2 * pairs);
   float* ua = scratch.data();
   float* ub = ua + pairs;
-  for (int64_t j = 0; j < blocks; j += kPhiloxBatch) {
-    const int n = static_cast<int>(std::min<int64_t>(kPhiloxBatch, blocks - j));
-    philox_uniform_pairs(seed, offset, b0 + j, n, ua + 2 * j, ub + 2 * j);
-  }
+  for (int64_t g = 0; g < groups; ++g) philox_uniform_group(seed, offset, b0 + 8 * g, ua + 16 * g, ub + 16 * g);
   const Vec minus_two(-2.0f), two_pi(kTwoPi);
   int64_t j = 0;
   for (; j + Vec::size() <= pairs; j += Vec::size()) {
@@ -114,11 +141,10 @@ inline void philox_normals(uint64_t seed, uint64_t offset, uint64_t n0, int64_t 
     ua[j] = radius * cosf(theta);
     ub[j] = radius * sinf(theta);
   }
-  const uint64_t p0 = 2 * b0;
   for (int64_t d = 0; d < count; ++d) {
-    const uint64_t n = n0 + d;
-    const int64_t pair = static_cast<int64_t>(n / 2 - p0);
-    out[d] = (n & 1) ? ub[pair] : ua[pair];
+    const uint64_t n = n0 + d, rb = n / 4 - b0;
+    const int64_t idx = static_cast<int64_t>(16 * (rb / 8) + 8 * ((n % 4) / 2) + rb % 8);
+    out[d] = (n & 1) ? ub[idx] : ua[idx];
   }
 }
 
