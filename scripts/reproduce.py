@@ -195,9 +195,8 @@ def write_tables(records: list[dict], args, header: str) -> str:
             cells = [_fmt(_finite([r.get(k) for r in rs]), d) for k, _, d in METRICS]
             lines.append(f"| {label or ROWS[row][0]} | {len(rs)} | {sampler} | " + " | ".join(cells) + " |")
         lines.append("")
-    few = [r for r in records if r["kind"] in ("few_steps", "main") and r["row"] in FEW_STEP_ROWS
-           and r["train_steps"] == args.steps and r["batch"] == args.batch]
-    few = [r for r in few if r["sampler"] in ("ddim", "maskgit")]
+    few = [r for r in records if r["kind"] == "few_steps" and r["train_steps"] == args.steps
+           and r["batch"] == args.batch]
     if few:
         steps = sorted({r["sample_steps"] for r in few})
         lines += ["### Few sampling steps (cf. paper Table \"maskgit:imagenet\"): FID ↓ / accuracy ↑", "",
@@ -225,8 +224,8 @@ def plot_few_steps(records: list[dict], args, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    few = [r for r in records if r["row"] in FEW_STEP_ROWS and r["sampler"] in ("ddim", "maskgit")
-           and r["train_steps"] == args.steps and r["batch"] == args.batch]
+    few = [r for r in records if r["kind"] == "few_steps" and r["train_steps"] == args.steps
+           and r["batch"] == args.batch]
     if not few:
         return False
     steps = sorted({r["sample_steps"] for r in few})

@@ -149,3 +149,9 @@ def test_loss_target_gradient_only_from_masked_logits(net):
     n_mask = torch.ceil(torch.cos(0.5 * math.pi * r) * 16).long().clamp(1, 16)
     mask = torch.rand(4, 16, generator=g).argsort(1).argsort(1) < n_mask[:, None]
     assert (grad[~mask] == 0).all() and (grad[mask] > 0).all()
+
+
+def test_more_steps_than_tokens_decode_one_token_per_step(net):
+    ids, trace = maskgit_sample(net, class_labels=torch.tensor([0, 3]), num_steps=50,
+                                generator=torch.Generator().manual_seed(0), return_trace=True)
+    assert len(trace) == 16 and all(t.sum(1).tolist() == [1, 1] for t in trace)

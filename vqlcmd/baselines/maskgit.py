@@ -149,7 +149,9 @@ def maskgit_sample(net: VQLCMDNetwork, *, class_labels: Optional[torch.Tensor] =
     guided = guidance_scale > 0
     if guided and (class_labels is None or C == 0):
         raise ValueError("guidance_scale > 0 needs a class-conditional model and class_labels")
-    sched = unmask_schedule(num_steps or cfg.num_steps, M, cfg.sample_schedule)
+    # At least one token per step: more steps than tokens decode one token per step (M steps), as Besnier &
+    # Chen's loop does once every token is decoded.
+    sched = unmask_schedule(min(num_steps or cfg.num_steps, M), M, cfg.sample_schedule)
     N = len(sched)
     ids = torch.full((B, M), K, device=device, dtype=torch.long)
     masked = torch.ones((B, M), device=device, dtype=torch.bool)
