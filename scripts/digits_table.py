@@ -7,8 +7,9 @@ pipeline at several step counts, for the ancestral and DDIM samplers and several
 Each cell draws ``--per-class`` images of every class (one generator per image, seeded from
 ``--seed`` and the image index, so every cell starts from the same noise) and scores them with
 vqlcmd.metrics.digits (SVC accuracy; FID, precision, recall with k = 3 in an MLP's feature space
-against all 1797 real digits). Cells are appended to a JSON-lines cache next to ``--out`` as they
-finish, so a stopped run continues where it stopped; the Markdown is rewritten after every cell.
+against all 1797 real digits). Cells are appended to a JSON-lines cache as they
+finish (``digits_table.jsonl`` beside the pipeline folder), so a stopped run continues where it
+stopped; the Markdown is rewritten after every cell.
 """
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline", default="runs/digits/pipeline")
     p.add_argument("--out", default="docs/digits_eval.md")
-    p.add_argument("--cache", default=None, help="JSON-lines results cache (default: <out>.jsonl beside --out)")
+    p.add_argument("--cache", default=None,
+                   help="JSON-lines results cache (default: digits_table.jsonl beside the pipeline folder)")
     p.add_argument("--steps", type=_ints, default=[5, 10, 20, 50])
     p.add_argument("--samplers", default="ancestral,ddim")
     p.add_argument("--guidance", type=_floats, default=[0.0, 1.0, 2.0])
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
     if pipe.network.config.num_classes == 0:
         raise SystemExit(f"{folder}: the digits table needs a class-conditional pipeline")
     out = Path(args.out)
-    cache = Path(args.cache) if args.cache else out.with_suffix(".jsonl")
+    # the cache belongs with the model (runs/ is not committed), not with the Markdown
+    cache = Path(args.cache) if args.cache else folder.parent / "digits_table.jsonl"
     weights = digest(folder)
     done = {}
     if cache.is_file():

@@ -21,7 +21,7 @@ def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys):
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ddim")]
     assert len(rows) == 4 and "| ddim | 1 | 2 |" in text
-    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 4
+    assert len((tmp_path / "digits_table.jsonl").read_text().splitlines()) == 4
     capsys.readouterr()
     mod.main(args + ["--steps", "1,2,3"])  # only the new cells are sampled
     printed = capsys.readouterr().out
