@@ -35,6 +35,7 @@ class ModelSection:
 class DataSection:
     # "digits": the embedded data set, prepared (tokenizer + shards) on first use and cached.
     dataset: Optional[str] = None
+    tokenizer_steps: int = 1000  # "digits" only: training steps of the small tokenizer (cached per value)
     shards: Optional[str] = None  # folder of token shards (relative paths: to the repository root)
     tokenizer: Optional[str] = None  # folder of the VQ tokenizer (for decoding sample grids)
     num_workers: int = 0

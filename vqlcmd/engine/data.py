@@ -17,10 +17,11 @@ def resolve_shards(data: DataSection, rank: int, log=print) -> tuple[Path, Optio
                               "for other data give vqlcmd.data.shards (see scripts/tokenize.py)")
         from ..data.digits import prepare_digits
 
-        info = prepare_digits(log=log, progress=rank == 0) if rank == 0 else None
+        steps = data.tokenizer_steps
+        info = prepare_digits(steps=steps, log=log, progress=rank == 0) if rank == 0 else None
         barrier()
         if info is None:
-            info = prepare_digits(log=lambda *a, **k: None, progress=False)
+            info = prepare_digits(steps=steps, log=lambda *a, **k: None, progress=False)
         return Path(info["shards"]), Path(info["tokenizer"])
     shards = repo_path(data.shards)
     if shards is None:
