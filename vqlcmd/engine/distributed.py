@@ -1,6 +1,7 @@
 """Process-group setup for ``deepspeed`` launches and for a plain ``python scripts/train.py``."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -26,7 +27,9 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    # Rank 0 may spend many minutes preparing data (the digits tokenizer) while the others wait at a
+    # barrier; the default 10-minute collective timeout would kill them.
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=datetime.timedelta(hours=2))
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device
 
 

@@ -64,6 +64,8 @@ class Trainer:
         from ..data.shards import TokenShardDataset
 
         self.cfg = cfg
+        if cfg.data.dataset is None:  # path errors are reported before any process group is set up
+            resolve_shards(cfg.data, rank=0)
         self.rank, self.world, self.local_rank, self.device = init_distributed()
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
         self.out_dir = repo_path(cfg.train.output_dir)
