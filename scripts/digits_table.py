@@ -71,6 +71,7 @@ def markdown(cells: list, info: dict, reference: dict, missing=()) -> str:
         f"seeds in every row, final tokens drawn from P(x | z_0) (Algorithm 2). "
         f"Made by `python scripts/digits_table.py {info['command']}`.",
         "",
+        *([info["note"], ""] if info.get("note") else []),
         "- **accuracy**: an RBF SVC fitted on the real digits classifies the samples; the share that get "
         "the class they were drawn for.",
         "- **FID**, **precision**, **recall** (k = 3): in the 64-unit hidden layer of an MLP classifier "
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=250)
     p.add_argument("--machine", default=None, help="words for the machine the times were measured on")
+    p.add_argument("--note", default=None, help="a paragraph printed under the model line (e.g. its status)")
     args = p.parse_args(argv)
 
     from vqlcmd.metrics.digits import real_reference
@@ -137,8 +139,12 @@ def main(argv=None) -> int:
     train = (cfg.get("training_config") or {}).get("vqlcmd", cfg.get("training_config") or {})
     preset = (train.get("model") or {}).get("preset", "?")
     n_params = sum(p.numel() for p in pipe.network.denoiser.parameters())
-    command = " ".join(sys.argv[1:] if argv is None else argv)
-    info = {"pipeline": str(folder), "per_class": args.per_class, "command": command,
+    shown = list(sys.argv[1:] if argv is None else argv)
+    if "--note" in shown:  # the note is prose for the page, not part of the command that makes the numbers
+        i = shown.index("--note")
+        del shown[i:i + 2]
+    command = " ".join(shown)
+    info = {"pipeline": str(folder), "per_class": args.per_class, "command": command, "note": args.note,
             "num_samples": args.per_class * pipe.network.config.num_classes,
             "model": f"preset {preset}, {n_params / 1e6:.2f}M denoiser parameters, trained {cfg.get('step', '?')} "
                      f"steps, weights {weights}",
