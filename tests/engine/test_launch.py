@@ -15,7 +15,11 @@ def _deepspeed(*args, timeout=1500):
     if exe is None:
         pytest.fail("the deepspeed launcher is not on PATH (pip install deepspeed)")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([exe, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    # a free port rather than the launcher's default 29500, which another run on the machine may hold
+    from vqlcmd.engine.distributed import _free_port
+
+    return subprocess.run([exe, "--master_port", str(_free_port()), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env)
 
 
 def test_two_rank_zero2_bf16_run_saves_checkpoints(tmp_path, tiny_shards, make_config):
