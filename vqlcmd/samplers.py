@@ -65,6 +65,24 @@ def ddim_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s):
     return alpha_s * psi + (sigma_s / sigma_t) * (z_t - alpha_t * psi)
 
 
+def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: float, device):
+    """(labels (B,) or None, B) for a sampler: conditional models take ``class_labels``, unconditional ones
+    ``num_samples``; a conditional model without labels samples the null class. Guidance needs labels."""
+    if class_labels is not None:
+        if num_classes == 0:
+            raise ValueError("class_labels given to an unconditional model")
+        y = class_labels.to(device=device, dtype=torch.long)
+        B = y.shape[0]
+    else:
+        if num_samples is None:
+            raise ValueError("give class_labels (conditional) or num_samples (unconditional)")
+        B = num_samples
+        y = None if num_classes == 0 else torch.full((B,), num_classes, device=device, dtype=torch.long)
+    if guidance_scale > 0 and (class_labels is None or num_classes == 0):
+        raise ValueError("guidance_scale > 0 needs a class-conditional model and class_labels")
+    return y, B
+
+
 @torch.no_grad()
 def sample_tokens(
     denoiser: Denoiser,
@@ -124,19 +142,8 @@ def sample_latents(
     K, D = cfg.codebook_size, cfg.embed_dim
     M = seq_len or cfg.seq_len
     device = table.device
-    if class_labels is not None:
-        if cfg.num_classes == 0:
-            raise ValueError("class_labels given to an unconditional model")
-        y = class_labels.to(device=device, dtype=torch.long)
-        B = y.shape[0]
-    else:
-        if num_samples is None:
-            raise ValueError("give class_labels (conditional) or num_samples (unconditional)")
-        B = num_samples
-        y = None if cfg.num_classes == 0 else torch.full((B,), cfg.num_classes, device=device, dtype=torch.long)
+    y, B = resolve_labels(cfg.num_classes, class_labels, num_samples, guidance_scale, device)
     guided = guidance_scale > 0
-    if guided and (class_labels is None or cfg.num_classes == 0):
-        raise ValueError("guidance_scale > 0 needs a class-conditional model and class_labels")
     codebook = table[:K].float()  # (K, D)
 
     grid = torch.linspace(0.0, 1.0, num_steps + 1, device=device)

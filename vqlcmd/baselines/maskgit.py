@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..diffusion.losses import drop_labels
 from ..network import VQLCMDNetwork
 from ..pipeline import VQLCMDPipeline, to_pil
+from ..samplers import resolve_labels
 
 MASK_SCHEDULES = ("cosine", "arccos", "linear", "square")
 
@@ -138,17 +139,8 @@ def maskgit_sample(net: VQLCMDNetwork, *, class_labels: Optional[torch.Tensor] =
     den = net.denoiser
     K, M, C = den.cfg.codebook_size, den.cfg.seq_len, den.cfg.num_classes
     device = net.embedding.weight.device
-    if class_labels is not None:
-        y = class_labels.to(device=device, dtype=torch.long)
-        B = y.shape[0]
-    else:
-        if num_samples is None:
-            raise ValueError("give class_labels (conditional) or num_samples (unconditional)")
-        B = num_samples
-        y = None if C == 0 else torch.full((B,), C, device=device, dtype=torch.long)
+    y, B = resolve_labels(C, class_labels, num_samples, guidance_scale, device)
     guided = guidance_scale > 0
-    if guided and (class_labels is None or C == 0):
-        raise ValueError("guidance_scale > 0 needs a class-conditional model and class_labels")
     # At least one token per step: more steps than tokens decode one token per step (M steps), as Besnier &
     # Chen's loop does once every token is decoded.
     sched = unmask_schedule(min(num_steps or cfg.num_steps, M), M, cfg.sample_schedule)
