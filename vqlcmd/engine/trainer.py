@@ -178,7 +178,7 @@ class Trainer:
             if any_rank(bool(bad), self.device):
                 raise NonFiniteLossError(
                     f"non-finite loss at step {self.step + 1}: term(s) {', '.join(bad) or '(on another rank)'} = "
-                    f"{ {k: float(out[k]) for k in bad} }; stopping without saving (the last checkpoint in "
+                    f"{ {k: float(out[k].detach()) for k in bad} }; stopping without saving (the last checkpoint in "
                     f"{self.ckpt_dir} is intact)")
             self.engine.backward(out["loss"])
             self.engine.step()
