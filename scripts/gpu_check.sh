@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one bounded run for a machine that is lent for minutes:
+#   1. builds the C++/CUDA extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise),
+#   2. runs the tests marked `gpu` (compiled and Triton kernels against the reference ops on CUDA),
+#   3. runs benchmarks/run.py on the GPU (rows appended per stage, so a cut-off run keeps its stages),
+#   4. runs the quick start's training + evaluation on the GPU (configs/ds_digits.json).
+# Usage: bash scripts/gpu_check.sh OUT_DIR [SECONDS]. Every step gets a share of SECONDS (default 540)
+# and its log in OUT_DIR; a failing step does not stop the later ones. Needs the project's Python
+# dependencies importable (installed, or on PYTHONPATH) and nvcc for step 1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
+mkdir -p "$out"
+deadline=$(( $(date +%s) + ${2:-540} ))
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
+  CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")"); export CUDA_HOME
+fi
+py=$(command -v python3 || command -v python)
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...: runs COMMAND for at most LIMIT (or what is left), logs it
+  local name=$1 limit=$2; shift 2
+  local left=$(( deadline - $(date +%s) - 5 ))
+  (( left < limit )) && limit=$left
+  if (( limit < 10 )); then echo "=== $name: skipped, no time left"; return; fi
+  local t0; t0=$(date +%s)
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --kill-after=5 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc after $(( $(date +%s) - t0 ))s$( ((rc == 124)) && echo ' (timed out)')"
+  tail -n "${TAIL_LINES:-30}" "$out/$name.log"
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  "$py" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', \
+triton.__version__, torch.cuda.get_device_name(), 'CUDA_HOME=${CUDA_HOME:-}')"
+} 2>&1 | tee "$out/env.txt"
+
+MAX_JOBS=${MAX_JOBS:-$(nproc)} step build 240 "$py" setup.py build_ext --inplace
+step gpu-tests 120 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests
+step bench 170 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
+  --stage compiled_ops,softmax_embedding_average,attention,denoiser,train_step,sampling,zero
+launcher=("$py" scripts/train.py)
+command -v deepspeed >/dev/null && launcher=(deepspeed --num_gpus 1 scripts/train.py)
+run_dir=$(mktemp -d)/digits  # checkpoints and weights stay out of OUT_DIR; the report and grid are copied
+step quickstart 150 "${launcher[@]}" --config ds_digits.json --evaluate --no-progress \
+  --set train.output_dir="$run_dir"
+cp "$run_dir/report.json" "$out/quickstart-report.json" 2>/dev/null
+cp "$run_dir/samples/final.png" "$out/quickstart-samples.png" 2>/dev/null
+echo "=== done, $(( deadline - $(date +%s) ))s of the budget left"
