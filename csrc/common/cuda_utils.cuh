@@ -7,11 +7,14 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 namespace vqlcmd::cuda {
 
@@ -43,13 +46,27 @@ inline int blocks_for(int64_t work) {
 
 // Kernels that meet an id outside the table skip the read, write NaN and raise
 // this flag; the launcher turns it into an error (kernels must not crash or
-// read out of bounds on bad ids). Reading it costs one device sync per call.
+// read out of bounds on bad ids). Reading it costs one device sync per call, so
+// the flag is off (ptr() is null, kernels only write NaN) where a sync is illegal
+// or unwanted: while the stream is captured into a CUDA graph, and when the user
+// sets VQLCMD_CHECK_IDS=0 (the data loader has checked the ids already). A bad id
+// then shows up as a non-finite loss, which the engine stops on by name.
+inline bool id_checks_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("VQLCMD_CHECK_IDS");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+}
+
 struct BadIdFlag {
-  at::Tensor flag;
-  explicit BadIdFlag(const at::Device& device)
-      : flag(at::zeros({1}, at::TensorOptions().device(device).dtype(at::kInt))) {}
-  int* ptr() { return flag.data_ptr<int>(); }
+  at::Tensor flag;  // undefined when checks are off
+  explicit BadIdFlag(const at::Device& device) {
+    if (id_checks_enabled()) flag = at::zeros({1}, at::TensorOptions().device(device).dtype(at::kInt));
+  }
+  int* ptr() { return flag.defined() ? flag.data_ptr<int>() : nullptr; }
   void check(const char* op, int64_t rows) {
+    if (!flag.defined()) return;
     TORCH_CHECK(flag.item<int>() == 0, op, ": a token id is outside the table's rows [0, ", rows, ")");
   }
 };

@@ -32,7 +32,7 @@ __global__ void ddim_kernel(DdimParams p, const table_t* __restrict__ table, con
       const int64_t r = n0 / p.D, d = n0 - r * p.D;
       const int64_t row = p.rows[r];
       const bool ok = row_in_range(row, p.V);
-      if (!ok) *p.bad = 1;
+      if (!ok && p.bad) *p.bad = 1;
       Pack4<table_t> e{};
       if (ok) e = *reinterpret_cast<const Pack4<table_t>*>(table + row * p.D + d);
       const Pack4<z_type> z = *reinterpret_cast<const Pack4<z_type>*>(z_t + n0);
@@ -52,7 +52,7 @@ __global__ void ddim_kernel(DdimParams p, const table_t* __restrict__ table, con
         const int64_t r = n / p.D, d = n - r * p.D;
         const int64_t row = p.rows[r];
         const bool ok = row_in_range(row, p.V);
-        if (!ok) *p.bad = 1;
+        if (!ok && p.bad) *p.bad = 1;
         const float e = ok ? static_cast<float>(table[row * p.D + d]) : NAN;
         const int64_t b = r / p.M;
         out[n] = static_cast<z_type>(ddim_step(e, static_cast<float>(z_t[n]), p.alpha_t[b], p.alpha_s[b], p.ratio[b]));

@@ -42,7 +42,7 @@ __global__ void noise_forward_kernel(FwdParams p, const table_t* __restrict__ ta
       const int64_t r = n0 / p.D, d = n0 - r * p.D;
       const int64_t row = p.rows[r];
       const bool ok = row_in_range(row, p.V);
-      if (!ok) *p.bad = 1;
+      if (!ok && p.bad) *p.bad = 1;
       Pack4<table_t> e{}, z;
       if (ok) e = *reinterpret_cast<const Pack4<table_t>*>(table + row * p.D + d);
       if constexpr (!kDraw) {
@@ -65,7 +65,7 @@ __global__ void noise_forward_kernel(FwdParams p, const table_t* __restrict__ ta
         const int64_t r = n / p.D, d = n - r * p.D;
         const int64_t row = p.rows[r];
         const bool ok = row_in_range(row, p.V);
-        if (!ok) *p.bad = 1;
+        if (!ok && p.bad) *p.bad = 1;
         const float e = ok ? static_cast<float>(table[row * p.D + d]) : NAN;
         const float ep = kDraw ? eps[j] : static_cast<float>(noise[n]);
         const int64_t b = r / p.M;
@@ -127,7 +127,7 @@ __global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, co
     const int64_t r = n / D, d = n - r * D;
     const int64_t row = rows[r];
     if (!row_in_range(row, V)) {
-      *bad = 1;
+      if (bad) *bad = 1;
       continue;
     }
     atomicAdd(out + row * D + d, alpha[r / M] * static_cast<float>(grad[n]));
@@ -146,7 +146,7 @@ __global__ void noise_backward_sorted_kernel(const grad_t* __restrict__ grad, co
   const int64_t row = sorted[i];
   if (i > 0 && sorted[i - 1] == row) return;  // not the start of a run
   if (!row_in_range(row, V)) {
-    if (threadIdx.x == 0) *bad = 1;
+    if (threadIdx.x == 0 && bad) *bad = 1;
     return;
   }
   for (int64_t d = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; d < D;

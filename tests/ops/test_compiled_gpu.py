@@ -96,7 +96,8 @@ def test_philox_noise_cuda_equals_cpu(D):
                                                        torch.ones(8, device=device), None, None, -1, 987654321, 12))
     torch.testing.assert_close(draws[1].cpu(), draws[0], atol=1e-5, rtol=1e-5)  # libm vs CUDA sin/cos/log ulps
     eps = draws[1].double()
-    assert abs(eps.mean().item()) < 0.02 and abs(eps.var().item() - 1) < 0.03
+    n = eps.numel()  # 5-sigma bounds for the mean and variance of n standard normals
+    assert abs(eps.mean().item()) < 5 / n**0.5 and abs(eps.var().item() - 1) < 5 * (2 / n) ** 0.5
 
 
 def test_noise_cuda_generator_reproduces_and_advances():
@@ -144,3 +145,33 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.vqlcmd.ddim_teacher_step.default,
                           (tokens, table.detach(), torch.randn(2, 5, 12, device=CUDA), ab, ab, ab, ab))
     torch.library.opcheck(torch.ops.vqlcmd.categorical_kl.default, (t, s.requires_grad_(), True))
+
+
+def test_compiled_ops_replay_in_a_cuda_graph():
+    """Under capture the id checks (a device sync) are off, so the ops capture; replays match eager."""
+    g = torch.Generator(CUDA).manual_seed(6)
+    B, M, V, D = 4, 16, 9, 32
+    tokens = torch.randint(0, V, (B, M), device=CUDA, generator=g)
+    table = torch.randn(V, D, device=CUDA, generator=g)
+    noise = torch.randn(B, M, D, device=CUDA, generator=g)
+    coef = [torch.rand(B, device=CUDA, generator=g) + 0.1 for _ in range(4)]
+
+    def step():
+        z = ops.noise_embeddings(tokens, table, coef[0], coef[1], noise=noise, backend="compiled")
+        return z, ops.ddim_teacher_step(tokens, table, z, *coef, backend="compiled")
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    noise.normal_(generator=g)  # replays read the new noise through the captured pointers
+    expected = (ops.noise_embeddings(tokens, table, coef[0], coef[1], noise=noise, backend="reference"),)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured[0], expected[0])
+    assert not torch.equal(captured[0], eager[0])

@@ -1,6 +1,7 @@
 """Input validation shared by every backend: errors name the argument and the problem."""
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -29,6 +30,17 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all inputs must be on one device, got {listing}")
 
 
+def ids_checked(tokens: torch.Tensor) -> bool:
+    """Whether token ids are range-checked here. Reading the range back syncs a GPU, which a CUDA
+    graph capture forbids and a tuned training loop may not want (VQLCMD_CHECK_IDS=0, after the
+    loader has checked the shards). Unchecked ids are still never read out of bounds: the compiled
+    kernels write NaN for them (the engine then stops on a non-finite loss, by name), and the
+    reference ops' indexing stops with a device-side assert."""
+    if tokens.device.type != "cuda":
+        return True
+    return os.environ.get("VQLCMD_CHECK_IDS", "1") != "0" and not torch.cuda.is_current_stream_capturing()
+
+
 def check_tokens(name: str, tokens: torch.Tensor, num_rows: int, *, ndim: int = 2) -> None:
     """Token ids index a table of ``num_rows`` rows; out-of-range ids are errors, not crashes."""
     if not isinstance(tokens, torch.Tensor):
@@ -37,8 +49,9 @@ def check_tokens(name: str, tokens: torch.Tensor, num_rows: int, *, ndim: int = 
         raise TypeError(f"{name} must be int64 (or int32) token ids, got {tokens.dtype}")
     if tokens.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims (B, M), got shape {tuple(tokens.shape)}")
-    if tokens.numel():
-        lo, hi = int(tokens.min()), int(tokens.max())
+    if tokens.numel() and ids_checked(tokens):
+        lo, hi = torch.aminmax(tokens)  # one read-back for both ends, not two
+        lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= num_rows:
             bad = lo if lo < 0 else hi
             raise IndexError(f"{name} holds id {bad}, outside the table's rows [0, {num_rows})")
