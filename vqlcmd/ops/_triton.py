@@ -120,19 +120,50 @@ def _backward(ctx, grad_out, grad_lse):
 _average_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAverage(torch.autograd.Function):
+    """The same kernels as the custom op, for eager mode.
+
+    A ``torch.library.custom_op`` call goes through the Python dispatcher (tens of microseconds
+    per call, forward and backward each), which on a GPU costs more than the kernels themselves at
+    the sizes sampling and small models use; outside ``torch.compile`` nothing needs the op's
+    opacity, so eager calls take this thinner path.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, table):
+        K = logits.shape[-1]
+        out, lse = _kernels()[0].forward(logits.reshape(-1, K), table)
+        ctx.save_for_backward(logits, table, out, lse)
+        return out.view(*logits.shape[:-1], table.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, table, out, lse = ctx.saved_tensors
+        need_logits, need_table = ctx.needs_input_grad
+        K, D = table.shape
+        grad_logits, grad_table = _kernels()[0].backward(
+            grad_out.reshape(-1, D), out, lse, logits.reshape(-1, K), table, None, need_logits=need_logits,
+            need_table=need_table, deterministic=torch.are_deterministic_algorithms_enabled())
+        return (grad_logits.view(logits.shape) if need_logits else None), grad_table
+
+
 def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return _average_forward(logits, table)[0]
+    if torch.compiler.is_compiling():
+        return _average_forward(logits, table)[0]
+    return _EagerAverage.apply(logits, table)
 
 
 # ---- guided_embedding_average (samplers; no gradient) ----------------------------------------
 
-@torch.library.custom_op("vqlcmd_triton::guided_embedding_average", mutates_args=())
-def _guided(cond_logits: torch.Tensor, uncond_logits: torch.Tensor, table: torch.Tensor,
-            guidance_scale: float) -> torch.Tensor:
+def _guided_impl(cond_logits: torch.Tensor, uncond_logits: torch.Tensor, table: torch.Tensor,
+                 guidance_scale: float) -> torch.Tensor:
     K = cond_logits.shape[-1]
     out = _kernels()[1].guided_embedding_average(cond_logits.reshape(-1, K), uncond_logits.reshape(-1, K),
                                                  table, guidance_scale)
     return out.view(*cond_logits.shape[:-1], table.shape[1])
+
+
+_guided = torch.library.custom_op("vqlcmd_triton::guided_embedding_average", _guided_impl, mutates_args=())
 
 
 @_guided.register_fake
@@ -142,7 +173,9 @@ def _(cond_logits, uncond_logits, table, guidance_scale):
 
 
 def guided_embedding_average(cond_logits, uncond_logits, table, guidance_scale: float) -> torch.Tensor:
-    return _guided(cond_logits, uncond_logits, table, float(guidance_scale))
+    if torch.compiler.is_compiling():
+        return _guided(cond_logits, uncond_logits, table, float(guidance_scale))
+    return _guided_impl(cond_logits, uncond_logits, table, float(guidance_scale))  # eager: see _EagerAverage
 
 
 def _unsupported_guided(cond_logits: torch.Tensor, table: torch.Tensor) -> Optional[str]:
