@@ -103,11 +103,13 @@ def describe_error(exc: BaseException) -> str:
 def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, shape: str, dtype: str,
              fn: Callable[[], object], baseline: str = "", setup: Optional[Callable[[], None]] = None,
              extra: Optional[Callable[[Timing], dict]] = None, warmup: int = 3, reps: int = 10,
-             budget_s: Optional[float] = None) -> Optional[Timing]:
+             budget_s: Optional[float] = None, graph: bool = False) -> Optional[Timing]:
     """Measure one case and append its Result to ``out``; on an exception append a failed Skip instead.
 
     ``extra(timing)`` turns the timing into figures such as images/s; ``warmup``/``reps``
     are the full-run counts (quick mode uses fewer); ``budget_s`` overrides ``ctx.time_budget_s``.
+    ``graph``: on CUDA, report the CUDA-graph replay time (kernels only) and keep the launch-bound
+    time as the figure ``launch_ms`` (see ``graph_replay_ms``).
     Passing ``**ctx.repetitions(...)`` works too.
     """
     counts = ctx.repetitions(warmup, reps)
@@ -115,7 +117,10 @@ def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, sh
         counts["budget_s"] = budget_s
     try:
         timing = measure(fn, ctx.device, setup=setup, **counts)
-        figures = extra(timing) if extra else {}
+        how = {}
+        if graph and not ctx.quick:
+            timing, how = with_graph_timing(fn, ctx.device, timing, setup)
+        figures = {**(extra(timing) if extra else {}), **how}
     except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
         out.append(Skip(stage, case, backend, describe_error(exc), failed=True))
         print(f"  {stage} | {case} | {backend} | {shape}: FAILED {describe_error(exc)}", file=sys.stderr, flush=True)
@@ -132,6 +137,56 @@ def _sync(device: torch.device) -> None:
 
 
 MIN_REPS = 3
+
+
+def graph_replay_ms(fn: Callable[[], object], device: torch.device, *, reps: int = 10, inner: int = 10) -> Timing:
+    """Device time of ``fn`` with launch overhead taken out: ``fn`` captured once into a CUDA graph,
+    then replayed ``inner`` times between two events, ``reps`` times (median per replay).
+
+    The event timing of ``measure`` includes the host's time to launch every kernel, which for
+    sub-millisecond ops on a slow host is most of what it sees; in training the host runs ahead of
+    the GPU, so kernel time is what a step pays. Raises if ``fn`` cannot be captured (it syncs).
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    del graph
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return Timing(statistics.median(times), q[2] - q[0], 0, len(times))
+
+
+def with_graph_timing(fn: Callable[[], object], device: torch.device, timing: Timing,
+                      setup: Optional[Callable[[], None]] = None) -> tuple[Timing, dict]:
+    """On CUDA: (graph-replay timing with ``timing``'s peak memory, figures naming both times);
+    where capture fails, ``timing`` and the reason."""
+    if device.type != "cuda":
+        return timing, {}
+    try:
+        if setup:
+            setup()
+        g = graph_replay_ms(fn, device)
+    except Exception as exc:  # noqa: BLE001: a syncing op cannot be captured; keep its launch timing
+        torch.cuda.synchronize(device)
+        return timing, {"timing": "launch (graph capture failed: " + describe_error(exc)[:120] + ")"}
+    return (Timing(g.median_ms, g.spread_ms, timing.peak_mem_bytes, g.reps),
+            {"timing": "graph replay", "launch_ms": round(timing.median_ms, 4)})
 
 
 def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, reps: int = 10,

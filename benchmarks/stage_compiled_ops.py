@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import Context, Result, StageSkipped, Timing, measure
+from benchmarks.harness import Context, Result, StageSkipped, Timing, measure, with_graph_timing
 from vqlcmd import ops
 
 STAGE = "compiled_ops"
@@ -97,14 +97,16 @@ def run(ctx: Context) -> list[Result]:
     copy_bps = copy_bandwidth(ctx.device, 8 << 20 if ctx.quick else 512 << 20) if ctx.device.type == "cuda" else None
     results = []
     for op, case, shape, nbytes, make in _cases(ctx):
-        timings: dict[str, Timing] = {}
+        timings: dict = {}  # backend -> (Timing, how it was timed)
         for backend in ("reference", "compiled"):
             if not ctx.wants(backend) and backend != "reference":
                 continue
             fn, setup = make(backend)
-            timings[backend] = measure(fn, ctx.device, setup=setup, **_reps(ctx))
+            t = measure(fn, ctx.device, setup=setup, **_reps(ctx))
+            timings[backend] = with_graph_timing(fn, ctx.device, t, setup) if not ctx.quick else (t, {})
+        timings, how = {b: t for b, (t, _) in timings.items()}, {b: h for b, (_, h) in timings.items()}
         for backend, t in timings.items():
-            extra = {}
+            extra = dict(how[backend])
             if backend == "compiled" and "reference" in timings:
                 ref = timings["reference"]
                 extra["speedup"] = round(ref.median_ms / t.median_ms, 2)

@@ -96,7 +96,7 @@ def run(ctx: Context) -> list:
         esize = logits.element_size()
         fwd_gbs = (N * K + K * D + N * D) * esize / 1e9  # least traffic of the forward
         for name, (average, guided) in backends.items():
-            common = dict(stage=STAGE, backend=name, shape=shape, dtype=str(dtype)[6:], baseline=BASELINE)
+            common = dict(stage=STAGE, backend=name, shape=shape, dtype=str(dtype)[6:], baseline=BASELINE, graph=True)
 
             def fwd(average=average):
                 with torch.no_grad():
