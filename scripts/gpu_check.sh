@@ -17,6 +17,10 @@ if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
   CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")"); export CUDA_HOME
 fi
 py=$(command -v python3 || command -v python)
+# Seen on a lent H200 image: CC/CXX named wrappers under /opt/gcc, and an extension built with them
+# segfaulted in std::ostream (inside its own copy of libstdc++ code) whenever it raised an error;
+# the system g++ gave a working build. Keep the user's choice only where no system g++ exists.
+if [ -x /usr/bin/g++ ] && [ "${VQLCMD_KEEP_CXX:-0}" != 1 ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...: runs COMMAND for at most LIMIT (or what is left), logs it
   local name=$1 limit=$2; shift 2
@@ -40,7 +44,7 @@ triton.__version__, torch.cuda.get_device_name(), 'CUDA_HOME=${CUDA_HOME:-}')"
 MAX_JOBS=${MAX_JOBS:-$(nproc)} step build 240 "$py" setup.py build_ext --inplace
 step gpu-tests 120 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests
 step bench 170 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
-  --stage compiled_ops,softmax_embedding_average,attention,denoiser,train_step,sampling,zero
+  --stage compiled_ops,softmax_embedding_average,attention,zero,train_step,sampling,denoiser
 launcher=("$py" scripts/train.py)
 command -v deepspeed >/dev/null && launcher=(deepspeed --num_gpus 1 scripts/train.py)
 run_dir=$(mktemp -d)/digits  # checkpoints and weights stay out of OUT_DIR; the report and grid are copied
