@@ -117,13 +117,16 @@ def training_losses(
     logits = net.denoiser(torch.cat([z_t, z_0]), torch.cat([t, t0]), y2).float()  # (2B, M, K)
     logits_t, logits_0 = logits[:B], logits[B:]
 
-    # 3-4. teacher: one DDIM step with the EMA table, then the EMA denoiser, no gradient
-    with torch.no_grad():
-        teacher_table = teacher.embedding.table()
-        z_s = ops.ddim_teacher_step(tokens, teacher_table, z_t.detach(), alpha_t, sigma_t, alpha_s, sigma_s,
-                                    backend=backend)
-        teacher_dtype = teacher_table.dtype  # the EMA teacher stays float32 under bf16 training
-        teacher_logits = teacher.denoiser(z_s.to(teacher_dtype), s, y).float()  # (B, M, K)
+    # 3-4. teacher: one DDIM step with the EMA table, then the EMA denoiser, no gradient; skipped
+    # when L_CM is switched off (the ablation), since nothing else reads it
+    teacher_logits = None
+    if cfg.beta_cm > 0:
+        with torch.no_grad():
+            teacher_table = teacher.embedding.table()
+            z_s = ops.ddim_teacher_step(tokens, teacher_table, z_t.detach(), alpha_t, sigma_t, alpha_s, sigma_s,
+                                        backend=backend)
+            teacher_dtype = teacher_table.dtype  # the EMA teacher stays float32 under bf16 training
+            teacher_logits = teacher.denoiser(z_s.to(teacher_dtype), s, y).float()  # (B, M, K)
 
     # 5-6. losses
     target = table[tokens]  # (B, M, D): clean, undropped E[x]; gradient reaches E through it too
