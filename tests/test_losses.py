@@ -69,6 +69,28 @@ def test_terms_match_independent_transcription():
     torch.testing.assert_close(out["loss"].detach(), l0 + 0.005 * l_dm.detach() + l_cm, rtol=1e-4, atol=1e-5)
 
 
+def test_l0_fraction_decodes_the_first_images_only():
+    net, teacher, x, y = _setup()
+    sched = ShiftedCosineSchedule(0.0)
+    cfg = LossConfig(p_drop=0.0, drop_strategy="none", label_drop=0.0, l0_fraction=0.5)
+    out = training_losses(net, teacher, sched, x, y, cfg, generator=torch.Generator().manual_seed(3),
+                          backend="reference")
+    g = torch.Generator().manual_seed(3)
+    B, M = x.shape
+    E = net.embedding.weight
+    torch.rand(B, generator=g), torch.rand(B, generator=g)  # t, s
+    torch.randn(B, M, E.shape[1], generator=g)  # ε of z_t
+    eps0 = torch.randn(2, M, E.shape[1], generator=g)  # ε0 for ceil(0.5 * 4) = 2 images
+    lam = -2 * torch.log(torch.tan(torch.tensor(math.pi * 1e-4 / 2)))
+    z_0 = torch.sigmoid(lam).sqrt() * E[x[:2]] + torch.sigmoid(-lam).sqrt() * eps0
+    with torch.no_grad():
+        logits_0 = net.denoiser(z_0, torch.zeros(2), y[:2])
+    l0 = -torch.log_softmax(logits_0, -1).gather(-1, x[:2, :, None]).sum() / 2
+    torch.testing.assert_close(out["l0"], l0, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="l0_fraction"):
+        LossConfig(l0_fraction=0.0)
+
+
 def test_gradients_reach_student_and_embeddings_not_teacher():
     net, teacher, x, y = _setup()
     out = training_losses(net, teacher, ShiftedCosineSchedule(), x, y, LossConfig())
