@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 
 import torch
 
 from benchmarks.harness import Context, Skip, StageSkipped, describe_error, run_case
 from benchmarks.stage_train_step import GRAD_CLIP, Training, build_training, step_figures
+from vqlcmd.engine.distributed import free_port
 
 STAGE = "zero"
 BASELINE = "zero0"
@@ -37,12 +37,6 @@ class _LossModule(torch.nn.Module):
 
     def forward(self, tokens, labels):
         return self.tr[0].losses(self.net)["loss"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -67,7 +61,7 @@ def _one_rank_deepspeed(device: torch.device):
     saved = compatible.get(shm.NAME) if shm is not None else None
     if shm is not None:
         compatible[shm.NAME] = False
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     try:

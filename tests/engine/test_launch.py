@@ -16,9 +16,9 @@ def _deepspeed(*args, timeout=1500):
         pytest.fail("the deepspeed launcher is not on PATH (pip install deepspeed)")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # a free port rather than the launcher's default 29500, which another run on the machine may hold
-    from vqlcmd.engine.distributed import _free_port
+    from vqlcmd.engine.distributed import free_port
 
-    return subprocess.run([exe, "--master_port", str(_free_port()), *args], cwd=REPO, capture_output=True,
+    return subprocess.run([exe, "--master_port", str(free_port()), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
