@@ -5,8 +5,17 @@
 
 Prints the reconstruction PSNR (through the token path) and how many codes are in use.
 """
-import argparse
-import json
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# scripts/tokenize.py shadows the standard library's tokenize (which torch imports through inspect and
+# linecache): drop this folder from the path, and put the checkout on it to run without install.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -55,12 +64,12 @@ def main(argv=None) -> dict:
                           codebook_size=args.codebook_size, code_dim=args.code_dim, groups=min(8, blocks[0]))
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     metrics = train_vqmodel(model, images, cfg, progress=progress)
-    model.save_pretrained(args.out)
-    with open(f"{args.out}/metrics.json", "w") as f:
-        json.dump(metrics, f, indent=1)
     from vqlcmd.tokenizer import model_identifier
 
+    model.save_pretrained(args.out)
     metrics.update(folder=args.out, tokenizer_id=model_identifier(model), images=len(images))
+    with open(f"{args.out}/metrics.json", "w") as f:
+        json.dump(metrics, f, indent=1)
     print(json.dumps(metrics, indent=1))
     return metrics
 
