@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -164,6 +165,45 @@ def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
     return records
 
 
+def _worker(row: str, seed: int, args, done: dict) -> list[dict]:
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.jobs))
+    return run_one(row, seed, args, done, lambda msg: print(msg, flush=True))
+
+
+def _run_jobs(jobs, args, done: dict, log):
+    """Yields each (row, seed) job's new records as it finishes; ``--jobs N`` runs N at once, each in a fresh
+    process (a small model leaves a GPU, or a many-core CPU, mostly idle), and ``--time-limit`` starts no
+    job after that many seconds, so a bounded session ends with whole runs only."""
+    t0 = time.perf_counter()
+    late = lambda: args.time_limit is not None and time.perf_counter() - t0 > args.time_limit  # noqa: E731
+    if args.jobs <= 1:
+        for row, seed in jobs:
+            if late():
+                log(f"time limit: {row} seed {seed} and later runs not started")
+                return
+            yield run_one(row, seed, args, done, log)
+        return
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    # spawn: a forked CUDA context is unusable; one task per process: each run starts from a clean state
+    with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
+        queue, running = list(jobs), {}
+        while queue or running:
+            while queue and len(running) < args.jobs and not late():
+                row, seed = queue.pop(0)
+                running[pool.submit(_worker, row, seed, args, done)] = (row, seed)
+            if queue and late():
+                log(f"time limit: {len(queue)} runs not started ({', '.join(f'{r}/{s}' for r, s in queue)})")
+                queue = []
+            if not running:
+                break
+            finished, _ = wait(running, timeout=5, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                running.pop(fut)
+                yield fut.result()
+
+
 def _finite(values) -> list:
     return [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
 
@@ -268,7 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("--few-steps", nargs="+", type=int, default=FEW_STEPS)
     p.add_argument("--no-few-steps", action="store_true")
     p.add_argument("--eval-batch", type=int, default=500)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (per run with --jobs)")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds after which no new run starts")
     p.add_argument("--model-overrides", type=json.loads, default={},
                    help='DenoiserConfig fields for every row, e.g. \'{"width": 64, "depth": 2}\'')
     p.add_argument("--digits-size", type=int, default=None,
@@ -307,14 +349,13 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
-    t0 = time.perf_counter()
-    for seed in ([] if args.report_only else args.seeds):  # seed-major: an interrupted run still has every row for the first seeds
-        for row in args.rows:
-            new = run_one(row, seed, args, done, log)
-            with open(results, "a") as f:
-                for rec in new:
-                    f.write(json.dumps(rec) + "\n")
-            records += new
+    # seed-major: an interrupted run still has every row for the first seeds
+    jobs = [] if args.report_only else [(row, seed) for seed in args.seeds for row in args.rows]
+    for new in _run_jobs(jobs, args, done, log):
+        with open(results, "a") as f:
+            for rec in new:
+                f.write(json.dumps(rec) + "\n")
+        records += new
     ds, base = load_config(args.config)
     sizes = {r.get("image_size") for r in records if r.get("image_size")}
     args.image_size = sizes.pop() if len(sizes) == 1 else 32

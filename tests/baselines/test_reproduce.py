@@ -34,3 +34,22 @@ def test_reproduce_quick_runs_every_row(tiny_config, tmp_path):
     # a second invocation reuses the finished runs instead of training again
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and len((out / "results.jsonl").read_text().splitlines()) == len(records)
+
+
+def test_reproduce_parallel_jobs_and_time_limit(tiny_config, tmp_path):
+    """--jobs 2 trains two runs in worker processes and records both; --time-limit 0 starts nothing new."""
+    cfg = tiny_config()
+    out = tmp_path / "repro"
+    base = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--quick", "--config", str(cfg), "--out", str(out),
+            "--no-few-steps"]
+    res = subprocess.run(base + ["--rows", "vqlcmd", "no_cm", "--jobs", "2"], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["row"] for r in records) == ["no_cm", "vqlcmd"]
+    late = subprocess.run(base + ["--rows", "vqlcmd", "no_cm", "no_rd", "--jobs", "2", "--time-limit", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert late.returncode == 0, late.stderr[-3000:]
+    assert "not started" in late.stdout and "no_rd" in late.stdout
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(records)
+    assert "VQ-LCMD w/o L_CM" in (out / "tables.md").read_text()
