@@ -2,9 +2,11 @@
 //
 // L_CM of VQ-LCMD.md: KL(p || q) = sum_k p_k (log p_k - log q_k) with
 // p = softmax(teacher), q = softmax(student), and d KL / d student_k = q_k - p_k.
-// Two passes over a row, at most: pass 1 streams both rows once and keeps an
-// online log-sum-exp (Milakov & Gimelshein 2018) for each; pass 2 reads them
+// Two forms. Streamed (CPU, long rows on CUDA): pass 1 keeps an online
+// log-sum-exp (Milakov & Gimelshein 2018) of each row, pass 2 reads the rows
 // again to sum the KL terms and, optionally, write the student gradient.
+// Register-resident (CUDA rows of K <= 2048): the rows are read once, and the KL
+// follows from three sums (KlSums below).
 #pragma once
 
 #include <cmath>
@@ -27,6 +29,19 @@ VQLCMD_HD OnlineLSE lse_push(OnlineLSE s, float x) {
   if (x > s.max) return OnlineLSE{x, s.sum * expf(s.max - x) + 1.0f};  // s.max = -inf: exp(-inf) = 0
   if (x == -INFINITY) return s;  // exp(-inf - (-inf)) would be NaN
   return OnlineLSE{s.max, s.sum + expf(x - s.max)};
+}
+
+// Folds n values at once, max first: one rescale of the running sum per call
+// instead of a data-dependent branch and rescale per value. Still exp() only of
+// non-positive numbers; -inf values add exp(-inf) = 0.
+template <int n>
+VQLCMD_HD OnlineLSE lse_push_n(OnlineLSE s, const float (&x)[n]) {
+  float m = s.max;
+  for (int j = 0; j < n; ++j) m = fmaxf(m, x[j]);
+  if (m == -INFINITY) return s;  // all -inf so far: exp(-inf - (-inf)) would be NaN
+  float sum = s.sum * expf(s.max - m);
+  for (int j = 0; j < n; ++j) sum += expf(x[j] - m);
+  return OnlineLSE{m, sum};
 }
 
 // Combines two partial states (two threads, two vector lanes, two chunks).
@@ -62,6 +77,32 @@ VQLCMD_HD float kl_term(float teacher, float student, RowNorm nt, RowNorm ns) {
 // teacher's entropy does not depend on the student).
 VQLCMD_HD float kl_student_grad(float teacher, float student, RowNorm nt, RowNorm ns) {
   return expf(log_softmax_at(student, ns)) - expf(log_softmax_at(teacher, nt));
+}
+
+// Sums of the register-resident form. With the row maxima known, each element
+// pair costs two exps, e_t = exp(t - max_t) and e_s = exp(s - max_s), and
+//   KL = sum_k p_k (log p_k - log q_k) = weighted / sum_t + log sum_s - log sum_t,
+//   weighted = sum_k e_t,k ((t_k - max_t) - (s_k - max_s)),  sum = sum_k e_k,
+// because sum_k p_k = 1. Logits meet the log-sums only after their maxima are
+// subtracted, so logits of +-1e4 keep their precision (as with RowNorm).
+struct KlSums {
+  float sum_t, sum_s, weighted;
+};
+
+VQLCMD_HD KlSums kl_sums_empty() { return KlSums{0.0f, 0.0f, 0.0f}; }
+
+// Adds the pair with shifted logits t - max_t, s - max_s and their exps, which the
+// caller takes (and keeps: q_k - p_k = e_s / sum_s - e_t / sum_t) with the exp of
+// its device.
+VQLCMD_HD void kl_sums_add(KlSums& a, float t_shift, float s_shift, float e_t, float e_s) {
+  a.sum_t += e_t;
+  a.sum_s += e_s;
+  a.weighted += e_t > 0.0f ? e_t * (t_shift - s_shift) : 0.0f;  // p_k = 0 contributes 0, as in kl_term
+}
+
+VQLCMD_HD float kl_from_sums(KlSums a, float max_t) {
+  if (max_t == -INFINITY) return 0.0f;  // a teacher row of -inf: every p_k is 0, as in kl_term
+  return a.weighted / a.sum_t + (logf(a.sum_s) - logf(a.sum_t));
 }
 
 }  // namespace vqlcmd

@@ -116,21 +116,111 @@ at::Tensor noise_embeddings_cuda(const at::Tensor& tokens, const at::Tensor& tab
   return out;
 }
 
-// Fast backward: one atomic float add per element; the order of the additions
-// (and so the last bits of the sum) varies from run to run.
-template <typename grad_t>
+// Fast backward: a thread adds the gradients of kTokensPerThread consecutive
+// tokens to the table for kPack consecutive columns, summing tokens of one row
+// in registers first. Atomics on one address serialise in L2, and dropping sends
+// a fifth or so of all tokens to the [mask] row (H200, 16384 tokens, D = 256:
+// 9.5 us without dropping, 26 us with 20% dropped when every chunk added its own
+// [mask] sum, 13.5 us now). So that row (hot_row) is summed per block in shared
+// memory and added to the table once per block. The order of the additions (and
+// so the last bits of the sum) varies from run to run.
+constexpr int kTokensPerThread = 8;
+constexpr int kMaxHotRowFloats = 12 * 1024;  // 48 KiB of shared memory
+
+// out[0:4] += v: on sm_90 one vector atomic, a quarter of the L2 atomic
+// operations of scalar ones; p is 16-byte aligned.
+__device__ __forceinline__ void atomic_add(float* p, const float (&v)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(p), make_float4(v[0], v[1], v[2], v[3]));
+#else
+#pragma unroll
+  for (int j = 0; j < 4; ++j) atomicAdd(p + j, v[j]);
+#endif
+}
+
+__device__ __forceinline__ void atomic_add(float* p, const float (&v)[1]) { atomicAdd(p, v[0]); }
+
+// hot_row: -1, or a row whose sum is kept in shared memory (D floats).
+template <typename grad_t, int kPack>
 __global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ rows,
                                              const float* __restrict__ alpha, float* __restrict__ out, int64_t N,
-                                             int64_t M, int64_t D, int64_t V, int* bad) {
+                                             int64_t M, int64_t D, int64_t V, int64_t hot_row, int* bad) {
+  extern __shared__ float hot[];
+  if (hot_row >= 0) {
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) hot[d] = 0.0f;
+    __syncthreads();
+  }
+  const int64_t packs = D / kPack, chunks = (N + kTokensPerThread - 1) / kTokensPerThread;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; n < N * D; n += stride) {
-    const int64_t r = n / D, d = n - r * D;
-    const int64_t row = rows[r];
-    if (!row_in_range(row, V)) {
-      if (bad) *bad = 1;
-      continue;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < chunks * packs; q += stride) {
+    const int64_t chunk = q / packs, d = (q - chunk * packs) * kPack, r0 = chunk * kTokensPerThread;
+    // The gradient loads do not wait for the ids, so all of them are in flight at once.
+    float g[kTokensPerThread][kPack];
+#pragma unroll
+    for (int i = 0; i < kTokensPerThread; ++i) {
+      const int64_t r = r0 + i;
+      if (r >= N) {
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) g[i][j] = 0.0f;
+        continue;
+      }
+      if constexpr (kPack == 4) {
+        const Pack4<grad_t> x = *reinterpret_cast<const Pack4<grad_t>*>(grad + r * D + d);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) g[i][j] = static_cast<float>(x.v[j]);
+      } else {
+        g[i][0] = static_cast<float>(grad[r * D + d]);
+      }
     }
-    atomicAdd(out + row * D + d, alpha[r / M] * static_cast<float>(grad[n]));
+    // Ids and scales next, all loads issued before the first is used.
+    int64_t row[kTokensPerThread];  // -1: nothing to add (past N, a bad id, or merged)
+    float scale[kTokensPerThread];
+    int64_t b = r0 / M, m = r0 - b * M;
+#pragma unroll
+    for (int i = 0; i < kTokensPerThread; ++i) {
+      const bool in = r0 + i < N;
+      row[i] = in ? rows[r0 + i] : -1;
+      scale[i] = in ? alpha[b] : 0.0f;
+      if (++m == M) {  // the next token starts batch b + 1
+        m = 0;
+        ++b;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kTokensPerThread; ++i) {
+      if (r0 + i < N && !row_in_range(row[i], V)) {
+        if (bad) *bad = 1;
+        row[i] = -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) g[i][j] *= scale[i];
+    }
+#pragma unroll
+    for (int i = 0; i < kTokensPerThread; ++i) {
+      if (row[i] < 0) continue;
+#pragma unroll
+      for (int k = i + 1; k < kTokensPerThread; ++k) {
+        if (row[k] != row[i]) continue;
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) g[i][j] += g[k][j];
+        row[k] = -1;
+      }
+      if (row[i] == hot_row) {
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) atomicAdd(hot + d + j, g[i][j]);
+      } else {
+        atomic_add(out + row[i] * D + d, g[i]);
+      }
+    }
+  }
+  if (hot_row >= 0) {
+    __syncthreads();
+    for (int64_t d = static_cast<int64_t>(threadIdx.x) * kPack; d < D; d += static_cast<int64_t>(blockDim.x) * kPack) {
+      float v[kPack];
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) v[j] = hot[d + j];
+      atomic_add(out + hot_row * D + d, v);
+    }
   }
 }
 
@@ -160,6 +250,22 @@ __global__ void noise_backward_sorted_kernel(const grad_t* __restrict__ grad, co
   }
 }
 
+// At most one item per thread; with a hot row also at most kHotBlocksPerSm
+// blocks per multiprocessor, as each block ends with D / kPack atomics on that
+// row. H200, 16384 tokens, D = 256, 20% dropped: 15.8 us at 4 or more blocks
+// per SM (one item per thread), 14.0 at 3, 13.5 at 2, 15.5 at 1.
+constexpr int kHotBlocksPerSm = 2;
+
+int atomic_backward_blocks(int64_t items, bool hot) {
+  int blocks = cuda::blocks_for(items);
+  if (hot) {
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+    blocks = std::min(blocks, sms * kHotBlocksPerSm);
+  }
+  return blocks;
+}
+
 at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tensor& tokens,
                                           const std::optional<at::Tensor>& drop_mask, int64_t mask_index,
                                           const at::Tensor& alpha, int64_t num_rows, bool deterministic) {
@@ -183,9 +289,21 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
           g.data_ptr<scalar_t>(), sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(), al.data_ptr<float>(),
           out.data_ptr<float>(), N, M, D, num_rows, bad.ptr());
     } else {
-      noise_backward_atomic_kernel<scalar_t><<<cuda::blocks_for(N * D), cuda::kThreads, 0, stream>>>(
-          g.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(), al.data_ptr<float>(), out.data_ptr<float>(), N, M, D,
-          num_rows, bad.ptr());
+      const scalar_t* gp = g.data_ptr<scalar_t>();
+      float* op = out.data_ptr<float>();
+      const bool packed = D % 4 == 0 && cuda::aligned4(gp) && cuda::aligned4(op);
+      const int64_t chunks = (N + kTokensPerThread - 1) / kTokensPerThread;
+      const bool hot = drop_mask.has_value() && row_in_range(mask_index, num_rows) && D <= kMaxHotRowFloats;
+      const int64_t hot_row = hot ? mask_index : -1;
+      const size_t smem = hot ? D * sizeof(float) : 0;
+      const int blocks = atomic_backward_blocks(chunks * (packed ? D / 4 : D), hot);
+      if (packed) {
+        noise_backward_atomic_kernel<scalar_t, 4><<<blocks, cuda::kThreads, smem, stream>>>(
+            gp, rows.data_ptr<int64_t>(), al.data_ptr<float>(), op, N, M, D, num_rows, hot_row, bad.ptr());
+      } else {
+        noise_backward_atomic_kernel<scalar_t, 1><<<blocks, cuda::kThreads, smem, stream>>>(
+            gp, rows.data_ptr<int64_t>(), al.data_ptr<float>(), op, N, M, D, num_rows, hot_row, bad.ptr());
+      }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

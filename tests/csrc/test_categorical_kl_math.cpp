@@ -1,5 +1,6 @@
 // The per-row math of csrc/categorical_kl/categorical_kl.h against float64
-// two-pass formulas: online log-sum-exp, its merge, the KL terms and gradient.
+// two-pass formulas: online log-sum-exp, its merge, the KL terms and gradient,
+// and the one-read form's sums.
 #include <cstdint>
 #include <vector>
 
@@ -59,6 +60,33 @@ int main() {
       CHECK_NEAR(grad_sum, 0.0, 1e-5);                     // q and p both sum to 1
       CHECK(grad_err < 1e-6);
 
+      // max-then-sum folding in blocks of 4, the tail padded with -inf (as the CUDA lanes do)
+      OnlineLSE blocks = lse_empty();
+      for (int k0 = 0; k0 < K; k0 += 4) {
+        float x[4];
+        for (int j = 0; j < 4; ++j) x[j] = k0 + j < K ? t[k0 + j] : -INFINITY;
+        blocks = lse_push_n(blocks, x);
+      }
+      const RowNorm nb = row_norm(blocks);
+      CHECK_NEAR(nb.max + nb.log_sum, lt, 1e-6 * (1 + std::fabs(lt)));
+
+      // the one-read form: KL from three sums, the gradient from the kept exps
+      float max_t = -INFINITY, max_s = -INFINITY;
+      for (int k = 0; k < K; ++k) max_t = std::fmax(max_t, t[k]), max_s = std::fmax(max_s, s[k]);
+      KlSums sums = kl_sums_empty();
+      std::vector<float> e_t(K), e_s(K);
+      for (int k = 0; k < K; ++k) {
+        e_t[k] = std::exp(t[k] - max_t), e_s[k] = std::exp(s[k] - max_s);
+        kl_sums_add(sums, t[k] - max_t, s[k] - max_s, e_t[k], e_s[k]);
+      }
+      CHECK_NEAR(kl_from_sums(sums, max_t), kl64, 1e-4 * (1 + std::fabs(kl64)));
+      double sums_grad_err = 0;
+      for (int k = 0; k < K; ++k) {
+        const double g = e_s[k] / sums.sum_s - e_t[k] / sums.sum_t;
+        sums_grad_err = std::fmax(sums_grad_err, std::fabs(g - (std::exp(s[k] - ls) - std::exp(t[k] - lt))));
+      }
+      CHECK(sums_grad_err < 1e-6);
+
       double self = 0;  // KL(p || p) = 0
       for (int k = 0; k < K; ++k) self += kl_term(t[k], t[k], nt, nt);
       CHECK_NEAR(self, 0.0, 1e-6);
@@ -68,5 +96,20 @@ int main() {
   const RowNorm n = row_norm(lse_push(lse_push(lse_empty(), -INFINITY), 0.0f));
   CHECK(kl_term(-INFINITY, -INFINITY, n, n) == 0.0f);
   CHECK_NEAR(n.max + n.log_sum, 0.0, 0.0);
+
+  // the one-read form's edge cases: p_k = 0 where log q_k = -inf adds 0; a -inf
+  // student logit under p_k > 0 makes the KL +inf; a teacher row of -inf has KL 0
+  KlSums a = kl_sums_empty();
+  kl_sums_add(a, 0.0f, 0.0f, 1.0f, 1.0f);
+  kl_sums_add(a, -INFINITY, -INFINITY, 0.0f, 0.0f);
+  CHECK(kl_from_sums(a, 0.0f) == 0.0f);
+  kl_sums_add(a, -1.0f, -INFINITY, std::exp(-1.0f), 0.0f);
+  CHECK(std::isinf(kl_from_sums(a, 0.0f)) && kl_from_sums(a, 0.0f) > 0);
+  const float all_inf[3] = {-INFINITY, -INFINITY, -INFINITY};
+  const OnlineLSE none = lse_push_n(lse_empty(), all_inf);
+  CHECK(none.max == -INFINITY && none.sum == 0.0f);
+  KlSums b = kl_sums_empty();
+  kl_sums_add(b, NAN, 0.0f, NAN, 1.0f);  // shifted by a -inf max: (-inf) - (-inf)
+  CHECK(kl_from_sums(b, -INFINITY) == 0.0f);
   return g_failures;
 }

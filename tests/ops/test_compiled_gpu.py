@@ -50,6 +50,84 @@ def test_categorical_kl_cuda_extreme_and_noncontiguous():
     torch.testing.assert_close(kl, ref, rtol=1e-5, atol=1e-2)
 
 
+def _kl_both_entry_points(teacher, student, upstream, monkeypatch):
+    """(kl, grad) per backend; compiled through the emitted gradient and through categorical_kl_backward."""
+    res = {}
+    for backend, emit in (("compiled", True), ("compiled", False), ("reference", None)):
+        if emit is not None:
+            monkeypatch.setattr(_compiled, "EMIT_KL_GRAD", emit)
+        s = student.clone().requires_grad_()
+        kl = ops.categorical_kl(teacher, s, backend=backend)
+        (kl * upstream).sum().backward()
+        res[(backend, emit)] = (kl, s.grad)
+    return res
+
+
+# K <= 2048: register-resident kernel, one shape per K range (packs of 4 when K % 4 == 0, else
+# single elements); K > 2048: the two-read kernel. 135 rows: no multiple of any shape's rows per block.
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("K", [1, 7, 12, 64, 100, 1000, 1024, 2047, 2048, 2049, 4096])
+def test_categorical_kl_cuda_kernel_paths(K, dtype, monkeypatch):
+    g = torch.Generator(CUDA).manual_seed(K)
+    teacher = (3 * torch.randn(3, 45, K, device=CUDA, generator=g)).to(dtype)
+    student = (3 * torch.randn(3, 45, K, device=CUDA, generator=g)).to(dtype)
+    upstream = torch.rand(3, 45, device=CUDA, generator=g) + 0.5
+    res = _kl_both_entry_points(teacher, student, upstream, monkeypatch)
+    kl_ref, grad_ref = res[("reference", None)]
+    for emit in (True, False):
+        kl, grad = res[("compiled", emit)]
+        torch.testing.assert_close(kl, kl_ref, atol=1e-4, rtol=1e-4)
+        close(grad, grad_ref, dtype)
+
+
+@pytest.mark.parametrize("K", [1024, 2048, 4096])
+def test_categorical_kl_cuda_misaligned_rows(K, monkeypatch):
+    """A contiguous view 4 bytes into its storage cannot take 16-byte loads: the single-element kernels serve it."""
+    g = torch.Generator(CUDA).manual_seed(7)
+    n = 37
+    teacher = torch.randn(n * K + 1, device=CUDA, generator=g)[1:].view(n, K)
+    student = torch.randn(n * K + 1, device=CUDA, generator=g)[1:].view(n, K)
+    assert teacher.data_ptr() % 16 != 0 and teacher.is_contiguous()
+    upstream = torch.rand(n, device=CUDA, generator=g) + 0.5
+    res = _kl_both_entry_points(teacher, student, upstream, monkeypatch)
+    for emit in (True, False):
+        torch.testing.assert_close(res[("compiled", emit)][0], res[("reference", None)][0], atol=1e-4, rtol=1e-4)
+        close(res[("compiled", emit)][1], res[("reference", None)][1], torch.float32)
+
+
+@pytest.mark.parametrize("K", [7, 1000, 4096])
+def test_categorical_kl_cuda_infinite_logits(K):
+    """p_k = 0 adds 0 (also where log q_k = -inf), p_k > 0 with q_k = 0 gives +inf, a teacher row of -inf gives 0."""
+    g = torch.Generator(CUDA).manual_seed(8)
+    teacher = torch.randn(4, K, device=CUDA, generator=g)
+    student = torch.randn(4, K, device=CUDA, generator=g)
+    teacher[1, ::2] = -float("inf")
+    student[1, ::2] = -float("inf")
+    teacher[2] = -float("inf")
+    student[3, teacher[3].argmax()] = -float("inf")
+    kl = ops.categorical_kl(teacher, student, backend="compiled")
+    ref = ops.categorical_kl(teacher.double(), student.double(), backend="reference").float()
+    torch.testing.assert_close(kl, ref, atol=1e-4, rtol=1e-4)
+    assert kl[2] == 0 and kl[3] == float("inf")
+    grad = torch.ops.vqlcmd.categorical_kl(teacher, student, True)[1]
+    s = student[:2].clone().requires_grad_()
+    ops.categorical_kl(teacher[:2], s, backend="reference").sum().backward()
+    torch.testing.assert_close(grad[:2], s.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_categorical_kl_cuda_extreme_logits_register_path():
+    """Logits of +-1e4 on the one-read path (K <= 2048), fp32 and bf16, against float64."""
+    g = torch.Generator(CUDA).manual_seed(9)
+    for K in (7, 1024, 2048):
+        teacher = 1e4 * torch.rand(50, K, device=CUDA, generator=g)
+        student = -1e4 * torch.rand(50, K, device=CUDA, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            t, s = teacher.to(dtype), student.to(dtype)
+            kl = ops.categorical_kl(t, s, backend="compiled")
+            ref = ops.categorical_kl(t.double(), s.double(), backend="reference").float()
+            torch.testing.assert_close(kl, ref, rtol=1e-5, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
 @pytest.mark.parametrize("D", [256, 13])
 def test_noise_embeddings_cuda(D, dtype):
@@ -83,6 +161,38 @@ def test_noise_backward_cuda_deterministic_mode_matches_atomics():
     torch.testing.assert_close(fast, runs[0], atol=1e-3, rtol=1e-5)
     cpu = torch.ops.vqlcmd.noise_embeddings_backward(grad.cpu(), tokens.cpu(), None, -1, alpha.cpu(), 5, True)
     torch.testing.assert_close(runs[0].cpu(), cpu, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+@pytest.mark.parametrize("M", [3, 13])
+@pytest.mark.parametrize("D", [256, 12, 5])
+def test_noise_backward_cuda_hot_rows(D, M, misaligned):
+    """Atomic backward against float64 when most tokens share a few rows (and the [mask] row): a thread's
+    chunk of tokens merges equal rows and spans batches (M < chunk), grads of a misaligned view take the
+    single-column kernel."""
+    g = torch.Generator(CUDA).manual_seed(10)
+    B, V = 7, 6
+    tokens = torch.randint(0, 2, (B, M), device=CUDA, generator=g)
+    drop = torch.rand(B, M, device=CUDA, generator=g) < 0.5
+    grad = torch.randn(B * M * D + int(misaligned), device=CUDA, generator=g)[int(misaligned):].view(B, M, D)
+    alpha = torch.rand(B, device=CUDA, generator=g) + 0.5
+    ids = torch.where(drop, V - 1, tokens).reshape(-1)
+    expected = torch.zeros(V, D, dtype=torch.float64, device=CUDA).index_add_(
+        0, ids, (grad.double() * alpha.double()[:, None, None]).reshape(-1, D))
+    for deterministic in (False, True):
+        out = torch.ops.vqlcmd.noise_embeddings_backward(grad, tokens, drop, V - 1, alpha, V, deterministic)
+        torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_noise_backward_cuda_bad_ids_raise():
+    grad = torch.randn(1, 3, 8, device=CUDA)
+    one = torch.ones(1, device=CUDA)
+    for bad in ([[1, 9, 0]], [[1, -2, 0]]):
+        for deterministic in (False, True):
+            with pytest.raises(RuntimeError, match="outside the table"):
+                torch.ops.vqlcmd.noise_embeddings_backward(grad, torch.tensor(bad, device=CUDA), None, -1, one, 5,
+                                                           deterministic)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("D", [256, 7])
