@@ -25,13 +25,16 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # categorical_kl: emit d KL/d student in the forward, so the backward is one
 # scale (as fused cross-entropy kernels do), or recompute it in the backward from
-# the saved logits. Emitting reads the logits once fewer, which pays on a GPU;
-# on CPU each fresh (N, K) buffer costs page faults that outweigh that read
-# (measured: emit 475 ms vs recompute 390 ms fwd+bwd at N=16384, K=1024), and
-# recomputing holds no extra (N, K) tensor between forward and backward.
-# None: emit on CUDA, recompute on CPU; VQLCMD_KL_EMIT_GRAD=1/0 forces one.
+# the saved logits. Recomputing is the default on both devices, because both
+# measured faster: on CPU each fresh (N, K) buffer costs page faults that outweigh
+# the saved read (emit 475 ms vs recompute 390 ms fwd+bwd at N=16384, K=1024); on
+# an H200, where the one-read kernels run at copy bandwidth, the forward plus the
+# backward kernel take 32 + 49 us, while emitting costs 49 us plus an unfused
+# per-row scale (55 us) and autograd's zero-filled gradient for the emitted
+# output (15 us). Recomputing also holds no extra (N, K) tensor between forward
+# and backward. VQLCMD_KL_EMIT_GRAD=1 forces emitting (0 or unset: recompute).
 _EMIT_ENV = os.environ.get("VQLCMD_KL_EMIT_GRAD")
-EMIT_KL_GRAD: Optional[bool] = None if _EMIT_ENV is None else _EMIT_ENV != "0"
+EMIT_KL_GRAD: bool = _EMIT_ENV not in (None, "0")
 
 
 def unavailable() -> Optional[str]:
@@ -142,8 +145,7 @@ def ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s):
 # ---- categorical_kl --------------------------------------------------------------------------
 
 def categorical_kl(teacher_logits, student_logits):
-    emit_mode = student_logits.is_cuda if EMIT_KL_GRAD is None else EMIT_KL_GRAD
-    emit = emit_mode and student_logits.requires_grad and torch.is_grad_enabled()
+    emit = EMIT_KL_GRAD and student_logits.requires_grad and torch.is_grad_enabled()
     kl, _ = torch.ops.vqlcmd.categorical_kl(teacher_logits.detach(), student_logits, emit)
     return kl
 
