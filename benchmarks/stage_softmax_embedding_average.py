@@ -2,7 +2,10 @@
 
 ``eager`` (the baseline) is what one writes in PyTorch, ``softmax(logits, -1) @ table`` in the
 inputs' dtype, which keeps the (N, K) probabilities for the backward; ``compile`` is
-``torch.compile`` of the same function; ``triton`` is ``vqlcmd.ops`` with ``backend="triton"``.
+``torch.compile`` of the same function; ``triton`` is ``vqlcmd.ops`` with ``backend="triton"`` and
+its default backward (separate dlogits and dtable kernels); ``triton-fused`` is the same with
+``VQLCMD_TRITON_BACKWARD=fused`` (one FlashAttention-2-style backward kernel), timed for ``fwd+bwd``
+only, the one case it changes, so that one GPU run says which backward is faster.
 Cases: ``fwd`` (no grad), ``fwd+bwd`` (both inputs, non-unit upstream gradient) and ``guided``
 (the samplers' classifier-free-guided variant, ω = 1). The goal case of issue 5 is
 N = 32768 (B 128 × M 256), K = 1024, D = 256 in bf16 on a GPU: fwd+bwd ≥ 1.5× eager, and at
@@ -14,6 +17,9 @@ timings say nothing about the kernels. Its rows are skips that say so.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from benchmarks.harness import Context, Skip, run_case
@@ -22,6 +28,9 @@ from vqlcmd import ops
 STAGE = "softmax_embedding_average"
 BASELINE = "eager"
 GUIDANCE = 1.0
+# triton backends -> the backward kernels they run (VQLCMD_TRITON_BACKWARD, read at each backward)
+BACKWARD = {"triton": "split", "triton-fused": "fused"}
+BACKWARD_ENV = "VQLCMD_TRITON_BACKWARD"
 
 
 def _shapes(ctx: Context) -> list[tuple[int, int, int]]:
@@ -52,14 +61,30 @@ def _backends(ctx: Context, out: list) -> dict:
                          torch.empty(1, 1, device=ctx.device))
     if not ctx.is_cuda:
         reason = "no CUDA device: Triton would run in its interpreter, whose timings say nothing about the kernels"
-    if reason is None:
-        backends["triton"] = (
-            lambda logits, table: ops.softmax_embedding_average(logits, table, backend="triton"),
-            lambda c, u, table, scale: ops.guided_embedding_average(c, u, table, scale, backend="triton"),
-        )
-    elif ctx.wants("triton"):
-        out.append(Skip(STAGE, "", "triton", reason))
+    for name in BACKWARD:
+        if reason is None:
+            backends[name] = (
+                lambda logits, table: ops.softmax_embedding_average(logits, table, backend="triton"),
+                lambda c, u, table, scale: ops.guided_embedding_average(c, u, table, scale, backend="triton"),
+            )
+        elif ctx.wants(name):
+            out.append(Skip(STAGE, "", name, reason))
     return {k: v for k, v in backends.items() if ctx.wants(k, baseline=k == BASELINE)}
+
+
+@contextlib.contextmanager
+def backward_variant(variant):
+    """Run the triton backward as ``variant`` ("fused" or "split"); None leaves the environment alone."""
+    saved = os.environ.get(BACKWARD_ENV)
+    if variant is not None:
+        os.environ[BACKWARD_ENV] = variant
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(BACKWARD_ENV, None)
+        else:
+            os.environ[BACKWARD_ENV] = saved
 
 
 def activation_bytes(fn, *inputs) -> int:
@@ -102,21 +127,26 @@ def run(ctx: Context) -> list:
                 with torch.no_grad():
                     return average(logits, table)
 
-            def fwd_bwd(average=average):
+            def fwd_bwd(average=average, variant=BACKWARD.get(name)):
                 for x in leaves:
                     x.grad = None
-                average(*leaves).backward(grad)
+                with backward_variant(variant):
+                    average(*leaves).backward(grad)
 
             def guided_fwd(guided=guided):
                 with torch.no_grad():
                     return guided(logits, uncond, table, GUIDANCE)
 
-            run_case(ctx, out, case="fwd", fn=fwd, extra=lambda t: {"GB/s": fwd_gbs / t.median_ms * 1e3}, **common)
+            only_backward = name == "triton-fused"  # its forward kernels are triton's
+            if not only_backward:
+                run_case(ctx, out, case="fwd", fn=fwd, extra=lambda t: {"GB/s": fwd_gbs / t.median_ms * 1e3},
+                         **common)
             try:
                 saved = activation_bytes(average, *leaves)
             except Exception:  # noqa: BLE001: the figure is optional; the timing below still runs
                 saved = -1
             run_case(ctx, out, case="fwd+bwd", fn=fwd_bwd, extra=lambda t, s=saved: {"activation_bytes": s}, **common)
-            run_case(ctx, out, case="guided", fn=guided_fwd,
-                     extra=lambda t: {"GB/s": (fwd_gbs + N * K * esize / 1e9) / t.median_ms * 1e3}, **common)
+            if not only_backward:
+                run_case(ctx, out, case="guided", fn=guided_fwd,
+                         extra=lambda t: {"GB/s": (fwd_gbs + N * K * esize / 1e9) / t.median_ms * 1e3}, **common)
     return out

@@ -34,6 +34,10 @@ interpreted = _is_interpreted()
 _MIN_BLOCK = 16
 # problems below this many logits (N*K) skip autotuning on a GPU
 _SMALL = 1 << 18
+# the fused backward holds a whole (BLOCK_K, D) dtable tile in registers; wider tables take the split kernels
+FUSED_MAX_D = 256
+# the fused backward's row splits are whole multiples of this (the largest BLOCK_M of its configs)
+SPLIT_ALIGN = 128
 
 
 def _cap(x: int, hi: int) -> int:
@@ -85,12 +89,22 @@ _CONFIGS = {
     ("grad_table", 32): [
         (64, 64, 128, 4, 3), (32, 64, 256, 8, 2), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3), (32, 128, 128, 8, 2),
     ],
+    # (BLOCK_K, D) float32 dtable accumulator in registers and the (BLOCK_K, D) table tile on chip for
+    # the whole row split, rows streamed in BLOCK_M steps; D is never tiled (BLOCK_D clamps to D).
+    # 8 warps: with 4, only the 64x32 and 32x64 tiles did not spill. No float32-operand configs: tf32x3 keeps
+    # each operand as two tf32 halves, and at D = 256 even 16x16 tiles spilled (72-250 bytes, 4 or 8
+    # warps), so float32 takes the split kernels on a GPU (see ``fused_fits``).
+    ("fused_backward", 16): [
+        (64, 64, 256, 8, 2), (64, 64, 256, 8, 3), (128, 64, 256, 8, 2), (64, 128, 256, 8, 2),
+        (128, 32, 256, 8, 3), (32, 128, 256, 8, 2), (32, 64, 256, 8, 2), (64, 32, 256, 4, 2),
+    ],
 }
 # fixed tiles for small problems on a GPU (no autotuning), by operand width
 _SMALL_BLOCKS = {
     ("forward", 16): (64, 64, 256, 8, 3), ("forward", 32): (64, 32, 256, 8, 2),
     ("grad_logits", 16): (64, 64, 64, 4, 3), ("grad_logits", 32): (64, 64, 64, 4, 3),
     ("grad_table", 16): (64, 64, 128, 4, 3), ("grad_table", 32): (64, 64, 128, 4, 3),
+    ("fused_backward", 16): (64, 64, 256, 8, 2),
 }
 
 
@@ -132,7 +146,7 @@ class Tuned:
                                    key=["N", "K", "D", *variants],
                                    prune_configs_by={"early_config_prune": _clamp_configs},
                                    reset_to_zero=reset_to_zero)(kernel)
-            for width in (16, 32)
+            for width in (16, 32) if (name, width) in _CONFIGS
         }
 
     def __call__(self, dot):
@@ -162,4 +176,24 @@ def splits(N: int) -> int:
     The interpreter uses short splits so that the CPU tests cover the cross-split sums.
     """
     rows = 128 if interpreted else 1024
+    return max(1, min(triton.cdiv(N, rows), 32))
+
+
+def fused_fits(D: int, dot) -> bool:
+    """Whether the fused backward has configurations for this width of table and dot operand.
+
+    The interpreter has no registers to spill, so there it runs for every dtype and the CPU tests
+    cover its logic with float32 operands too.
+    """
+    return D <= FUSED_MAX_D and (interpreted or _width(dot) == 16)
+
+
+def fused_splits(N: int) -> int:
+    """Row splits of the fused backward: with K = 1024 in 64-column blocks, 16 splits at N = 8192 and 32
+    at N >= 16384 give 256 and 512 programs, about 2 and 4 waves on 132 SMs. More splits would cost
+    another float32 (K, D) dtable reduction each for little gain in occupancy.
+
+    The interpreter uses short splits so that the CPU tests cover the cross-split sums.
+    """
+    rows = SPLIT_ALIGN if interpreted else 512
     return max(1, min(triton.cdiv(N, rows), 32))

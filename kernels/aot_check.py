@@ -44,7 +44,8 @@ def check(quick: bool) -> list[str]:
     if _launch.interpreted:
         raise SystemExit("aot_check: unset TRITON_INTERPRET (the kernels were decorated for the interpreter)")
     kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)), "grad_logits": (sea._grad_logits_kernel, {}),
-               "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True))}
+               "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True)),
+               "fused_backward": (sea._fused_backward_kernel, dict(ATOMIC=True))}
     jobs = [(key, cfg, "small") for key, cfg in _launch._SMALL_BLOCKS.items()]
     if not quick:
         jobs += [(key, cfg, "tuned") for key, cfgs in _launch._CONFIGS.items() for cfg in cfgs]

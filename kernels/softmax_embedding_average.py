@@ -8,6 +8,25 @@ exist in memory; it saves only the per-row log-sum-exp. The backward recomputes 
     dlogits = P ∘ (dY·tableᵀ − delta),  delta = rowsum(dY ∘ Y)  (minus dLSE when LSE has a gradient)
     dtable  = Pᵀ·dY, summed over row splits (atomics, or per-split partials when deterministic)
 
+After a small kernel computes delta, the backward can be one fused kernel, as FlashAttention-2's is:
+each program owns one K block (BLOCK_K classes: a (BLOCK_K, D) table tile, loaded once, and a
+(BLOCK_K, D) float32 dtable accumulator, both on chip) and one row split, and streams the split's
+rows in BLOCK_M blocks. For each it reads the logits tile once, recomputes P = exp(s − lse) once,
+forms dP = dY·tableᵀ against the resident table tile, stores dlogits = P ∘ (dP − delta), and adds
+Pᵀ·dY to the accumulator, which it adds into dtable at the end. So the (N, K) logits are read once
+and written once, and dY is read once per K block. D must fit one tile (D <= 256), and on a GPU the
+operands must be 16-bit (float32's tf32x3 halves do not fit beside the tiles in registers).
+Otherwise (the default "split" variant, or when only one gradient is needed, or D > 256) two
+split kernels run instead: one over (row block, K block) tiles for dlogits and one over
+(K block, D block, row split) for dtable, each recomputing P.
+
+Measured on an H200 (N = 32768, K = 1024, D = 256, bf16, CUDA-graph replay, Triton 3.6): fused
+0.20 ms, split 0.197 ms, and the split one was ahead at N = 8192 and 16384 too (0.060 vs 0.067,
+0.108 vs 0.127 ms). Both run their two products (34 GFLOP) at about 200 TFLOP/s, while cuBLAS
+does them in 0.073 ms: the backward is bound by how Triton issues the matrix products, not by the
+logits traffic that the fusion saves. So "split" is the default and "fused" stays selectable
+(VQLCMD_TRITON_BACKWARD=fused) for the tuning that could make it pay off.
+
 Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
 Under TRITON_INTERPRET=1 (the CPU tests) the interpreter keeps bfloat16 as raw 16-bit
 patterns, so every tile is converted to float32 right after loading and DOT_DTYPE, the
@@ -16,13 +35,14 @@ bf16/fp16 run on tensor cores (fp32 inputs use tf32x3, which keeps fp32 accuracy
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import Tuned, blocks, dot_dtype, interpreted, splits
+from ._launch import SPLIT_ALIGN, Tuned, blocks, dot_dtype, fused_fits, fused_splits, interpreted, splits
 
 
 @triton.jit
@@ -149,12 +169,58 @@ def _grad_table_kernel(
         tl.store(dst_ptr + pid_s * K * D + offs, acc, mask=mask)
 
 
+@triton.jit
+def _fused_backward_kernel(
+    logits_ptr, table_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_logits_ptr, dst_ptr,
+    N, K, D, rows_per_split,
+    ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One K block of one row split, FlashAttention-2-backward style: the table tile stays on chip for
+    # the whole split, each logits tile is read and exponentiated once for both gradients, and dY is
+    # read once per K block rather than once per (K block, D block) as the split kernels do.
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ds = tl.arange(0, BLOCK_D)  # BLOCK_D >= D: dP needs the whole row of dY before dS can be formed
+    k_in = ks < K
+    d_in = ds < D
+    kd_mask = k_in[:, None] & d_in[None, :]
+    t = tl.load(table_ptr + ks[:, None] * D + ds[None, :], mask=kd_mask, other=0.0).to(DOT_DTYPE)
+    acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)  # Pᵀ·dY over this split's rows
+    start = pid_s * rows_per_split
+    end = tl.minimum(start + rows_per_split, N)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        live = rows < end
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + safe_rows)
+        delta = tl.load(delta_ptr + safe_rows)
+        # zero for dead rows and padded classes, so neither reaches dtable
+        p = tl.where(live[:, None] & k_in[None, :], tl.exp(s - lse[:, None]), 0.0)
+        dy = tl.load(grad_out_ptr + safe_rows[:, None] * D + ds[None, :], mask=live[:, None] & d_in[None, :],
+                     other=0.0).to(DOT_DTYPE)
+        dp = tl.dot(dy, tl.trans(t), input_precision="tf32x3")  # dY · tableᵀ, (BLOCK_M, BLOCK_K)
+        tl.store(grad_logits_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], p * (dp - delta[:, None]),
+                 mask=live[:, None] & k_in[None, :])
+        acc = tl.dot(tl.trans(p.to(DOT_DTYPE)), dy, acc, input_precision="tf32x3")
+    offs = ks[:, None] * D + ds[None, :]
+    if ATOMIC:
+        tl.atomic_add(dst_ptr + offs, acc, mask=kd_mask)
+    else:
+        tl.store(dst_ptr + pid_s * K * D + offs, acc, mask=kd_mask)
+
+
 _TUNED = {
     "forward": Tuned(_forward_kernel, "forward", variants=("GUIDED",)),
     "grad_logits": Tuned(_grad_logits_kernel, "grad_logits"),
     "grad_table": Tuned(_grad_table_kernel, "grad_table", variants=("ATOMIC",), reset_to_zero=["dst_ptr"]),
+    "fused_backward": Tuned(_fused_backward_kernel, "fused_backward", variants=("ATOMIC",),
+                            reset_to_zero=["dst_ptr"]),
 }
-_KERNELS = {"forward": _forward_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel}
+_KERNELS = {"forward": _forward_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel,
+            "fused_backward": _fused_backward_kernel}
 
 
 def _launch(name: str, grid, N: int, K: int, D: int, args: tuple, dot, **const) -> None:
@@ -186,39 +252,69 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
     return out, lse
 
 
+BACKWARD_ENV = "VQLCMD_TRITON_BACKWARD"
+BACKWARD_VARIANTS = ("fused", "split")
+
+
+def backward_variant(variant: Optional[str] = None) -> str:
+    """``variant``, else $VQLCMD_TRITON_BACKWARD, else "split" (the faster one on an H200, see the module
+    docstring); read per call so a benchmark can switch."""
+    variant = variant or os.environ.get(BACKWARD_ENV) or "split"
+    if variant not in BACKWARD_VARIANTS:
+        raise ValueError(f"{BACKWARD_ENV} must be one of {', '.join(BACKWARD_VARIANTS)}, got {variant!r}")
+    return variant
+
+
 def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logits: torch.Tensor,
              table: torch.Tensor, grad_lse: Optional[torch.Tensor] = None, *, need_logits: bool = True,
-             need_table: bool = True, deterministic: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Gradients of ``forward`` w.r.t. logits (N, K) and table (K, D), in their dtypes (None if not needed)."""
+             need_table: bool = True, deterministic: bool = False,
+             variant: Optional[str] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients of ``forward`` w.r.t. logits (N, K) and table (K, D), in their dtypes (None if not needed).
+
+    ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "split") picks the fused kernel or the split
+    ones when both gradients are needed and the fused kernel fits (``fused_fits``); a single
+    gradient always takes its own split kernel, which does no work for the other.
+    """
     N, K = logits.shape
     D = table.shape[1]
     logits, table = logits.contiguous(), table.contiguous()
     grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
     dot = dot_dtype(logits, table)
     dev = logits.device
-    grad_logits = grad_table = None
-    if need_logits:
-        grad_logits = torch.empty_like(logits)
-        if N:
+    fused = backward_variant(variant) == "fused" and need_logits and need_table and fused_fits(D, dot)
+    grad_logits = torch.empty_like(logits) if need_logits else None
+    if need_table:
+        n_split = fused_splits(N) if fused else splits(N)
+        atomic = not deterministic and n_split > 1
+        # atomics add into one float32 (K, D) buffer; otherwise each split writes its own slice
+        dst = torch.zeros((K, D) if atomic else (n_split, K, D), device=dev, dtype=torch.float32)
+    if N:
+        if need_logits:
             delta = torch.empty((N,), device=dev, dtype=torch.float32)
             has_glse = grad_lse is not None
             blk = blocks("delta", N, K, D, dev, dot)
             _delta_kernel[(triton.cdiv(N, blk["BLOCK_M"]),)](
                 grad_out, out, grad_lse.contiguous() if has_glse else lse, delta, N, D,
                 HAS_GRAD_LSE=has_glse, **blk)
-            _launch("grad_logits", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
-                    N, K, D, (logits, table, grad_out, lse, delta, grad_logits, N, K, D), dot)
-    if need_table:
-        n_split = splits(N)
-        atomic = not deterministic and n_split > 1
-        # atomics add into one float32 (K, D) buffer; otherwise each split writes its own slice
-        dst = torch.zeros((K, D) if atomic else (n_split, K, D), device=dev, dtype=torch.float32)
-        if N:
-            _launch("grad_table",
-                    lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split),
-                    N, K, D, (logits, grad_out, lse, dst, N, K, D, triton.cdiv(N, n_split)), dot, ATOMIC=atomic)
-        grad_table = (dst if atomic else dst.sum(0)).to(table.dtype)
+        if fused:
+            # whole row blocks in every split (split_rows is a multiple of every BLOCK_M), so only
+            # the last split has a ragged tail
+            split_rows = triton.cdiv(triton.cdiv(N, n_split), SPLIT_ALIGN) * SPLIT_ALIGN
+            _launch("fused_backward", lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), n_split), N, K, D,
+                    (logits, table, grad_out, lse, delta, grad_logits, dst, N, K, D, split_rows), dot,
+                    ATOMIC=atomic)
+        else:
+            if need_logits:
+                _launch("grad_logits",
+                        lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
+                        N, K, D, (logits, table, grad_out, lse, delta, grad_logits, N, K, D), dot)
+            if need_table:
+                _launch("grad_table",
+                        lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split),
+                        N, K, D, (logits, grad_out, lse, dst, N, K, D, triton.cdiv(N, n_split)), dot,
+                        ATOMIC=atomic)
+    grad_table = (dst if atomic else dst.sum(0)).to(table.dtype) if need_table else None
     return grad_logits, grad_table
 
 
-__all__ = ["forward", "backward", "interpreted"]
+__all__ = ["forward", "backward", "backward_variant", "interpreted"]

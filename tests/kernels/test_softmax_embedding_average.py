@@ -2,7 +2,10 @@
 
 On CPU these run in Triton's interpreter (tests/kernels/conftest.py), so row counts stay small;
 the shapes still cross every tile edge: K = 1000 spans several K tiles with a ragged last one,
-257 rows leave a one-row tail block and three dtable row splits, D = 48 and D = 300 are ragged.
+257 rows leave a one-row tail block and three dtable row splits (260 rows do at K = 1024, D = 256),
+D = 48 and D = 300 are ragged.
+Both backward variants (the fused kernel and the split kernels, VQLCMD_TRITON_BACKWARD) are run,
+and the spy ``launched`` checks which kernels a backward actually took.
 """
 import pytest
 import torch
@@ -15,7 +18,7 @@ from vqlcmd.ops import reference
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
 
 # (leading dims, K, D)
-SHAPES = [((2, 16), 1024, 256), ((1,), 1000, 48), ((257,), 1000, 48)]
+SHAPES = [((2, 16), 1024, 256), ((2, 130), 1024, 256), ((1,), 1000, 48), ((257,), 1000, 48)]
 
 
 def assert_close(actual, expected, dtype):
@@ -44,9 +47,32 @@ def triton_average(logits, table):
     return ops.softmax_embedding_average(logits, table, backend="triton")
 
 
+@pytest.fixture
+def sea():
+    from vqlcmd.kernels import softmax_embedding_average
+
+    return softmax_embedding_average
+
+
+@pytest.fixture
+def launched(sea, monkeypatch):
+    """Names of the kernels launched through the module's launcher, in order."""
+    names = []
+    original = sea._launch
+
+    def spy(name, *args, **kwargs):
+        names.append(name)
+        return original(name, *args, **kwargs)
+
+    monkeypatch.setattr(sea, "_launch", spy)
+    return names
+
+
+@pytest.mark.parametrize("variant", ["fused", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D", SHAPES)
-def test_output_and_gradients_match_reference(lead, K, D, dtype, device):
+def test_output_and_gradients_match_reference(lead, K, D, dtype, variant, device, sea, launched, monkeypatch):
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
     logits, table = make(lead, K, D, dtype, device)
     upstream = torch.randn(*lead, D, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     out, g_logits, g_table = grads(triton_average, logits, table, upstream)
@@ -54,6 +80,54 @@ def test_output_and_gradients_match_reference(lead, K, D, dtype, device):
     assert_close(out, ref, dtype)
     assert_close(g_logits, r_logits, dtype)
     assert_close(g_table, r_table, dtype)
+    fused = variant == "fused" and sea.fused_fits(D, sea.dot_dtype(logits, table))  # not fp32 on a GPU
+    assert launched == ["forward", *(["fused_backward"] if fused else ["grad_logits", "grad_table"])]
+
+
+# (need_logits, need_table): a single gradient takes its own split kernel whatever the variant
+NEEDS = [(True, True), (True, False), (False, True)]
+
+
+@pytest.mark.parametrize("variant", ["fused", "split"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, device, sea, launched):
+    # The backward entry point directly: every (need_logits, need_table) pair, a gradient on lse as
+    # well as on the output, atomic and split-by-split dtable sums. 300 rows: three row splits with
+    # a ragged last one (splits are 128 rows under the interpreter).
+    N, K, D = 300, 1000, 48
+    logits, table = make((N,), K, D, dtype, device, seed=2)
+    g = torch.Generator().manual_seed(3)
+    upstream = torch.randn(N, D, generator=g).to(device, dtype)
+    grad_lse = torch.randn(N, generator=g).to(device)
+    ref_logits, ref_table = logits.detach().requires_grad_(), table.detach().requires_grad_()
+    ref_out = reference.softmax_embedding_average(ref_logits, ref_table)
+    ref_lse = ref_logits.float().logsumexp(-1)
+    ((ref_out.float() * upstream.float()).sum() + (ref_lse * grad_lse).sum()).backward()
+    out, lse = sea.forward(logits, table)
+    for need_logits, need_table in NEEDS:
+        launched.clear()
+        g_logits, g_table = sea.backward(upstream, out, lse, logits, table, grad_lse, need_logits=need_logits,
+                                         need_table=need_table, deterministic=deterministic, variant=variant)
+        assert (g_logits is None) != need_logits and (g_table is None) != need_table
+        if need_logits:
+            assert_close(g_logits, ref_logits.grad, dtype)
+        if need_table:
+            assert_close(g_table, ref_table.grad, dtype)
+        fused = variant == "fused" and need_logits and need_table and sea.fused_fits(D, sea.dot_dtype(table))
+        assert ("fused_backward" in launched) == fused, launched
+
+
+def test_wide_tables_and_unknown_variants(sea, launched, monkeypatch):
+    # D > 256 does not fit the fused kernel's on-chip dtable tile: the split kernels take it
+    logits, table = make((5,), 40, 300, torch.float32, "cpu")
+    out, lse = sea.forward(logits, table)
+    launched.clear()
+    sea.backward(torch.randn_like(out), out, lse, logits, table)
+    assert launched == ["grad_logits", "grad_table"]
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "fast")
+    with pytest.raises(ValueError, match="VQLCMD_TRITON_BACKWARD"):
+        sea.backward(out, out, lse, logits, table)
 
 
 @pytest.mark.parametrize("table_dtype", [torch.float16, torch.float32])
@@ -101,7 +175,9 @@ def test_masked_classes_are_ignored(device):
     assert_close(g_table, r_table, torch.float32)
 
 
-def test_deterministic_dtable_is_reproducible(device):
+@pytest.mark.parametrize("variant", ["fused", "split"])
+def test_deterministic_dtable_is_reproducible(variant, device, monkeypatch):
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
     logits, table = make((257,), 64, 16, torch.float32, device)
     upstream = torch.randn(257, 16).to(device)
     _, _, atomic = grads(triton_average, logits, table, upstream)
@@ -115,16 +191,20 @@ def test_deterministic_dtable_is_reproducible(device):
     assert_close(first, atomic, torch.float32)
 
 
-def test_log_sum_exp_gradient(device):
+@pytest.mark.parametrize("table_grad", [False, True])
+def test_log_sum_exp_gradient(table_grad, device):
     # the op also returns lse for its backward; a gradient reaching it must still be right
+    # (with a table gradient too, the fused backward folds it into delta)
     logits, table = make((9,), 70, 8, torch.float32, device)
-    ours = logits.detach().requires_grad_()
-    out, lse = torch.ops.vqlcmd_triton.softmax_embedding_average(ours, table)
+    ours, our_table = logits.detach().requires_grad_(), table.detach().requires_grad_(table_grad)
+    out, lse = torch.ops.vqlcmd_triton.softmax_embedding_average(ours, our_table)
     (out.sum() + 2 * lse.sum()).backward()
-    theirs = logits.detach().requires_grad_()
-    (reference.softmax_embedding_average(theirs, table).sum() + 2 * theirs.logsumexp(-1).sum()).backward()
+    theirs, their_table = logits.detach().requires_grad_(), table.detach().requires_grad_(table_grad)
+    (reference.softmax_embedding_average(theirs, their_table).sum() + 2 * theirs.logsumexp(-1).sum()).backward()
     torch.testing.assert_close(lse, logits.logsumexp(-1))
     assert_close(ours.grad, theirs.grad, torch.float32)
+    if table_grad:
+        assert_close(our_table.grad, their_table.grad, torch.float32)
 
 
 def test_empty_batch_and_non_contiguous_inputs(device):
@@ -186,11 +266,18 @@ def test_traces_under_torch_compile(device):
 # ---- GPU: compiled kernels, the autotuned path and the issue's goal shape -----------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_goal_shape(dtype):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype,variant", [(torch.bfloat16, "fused"), (torch.bfloat16, "split"),
+                                           (torch.float16, "fused"), (torch.float32, "fused")])
+def test_gpu_goal_shape(dtype, variant, deterministic, monkeypatch):
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
     logits, table = make((32, 1024), 1024, 256, dtype, "cuda")  # N = 32768: autotuned path
     upstream = torch.randn(32, 1024, 256, device="cuda", dtype=dtype)
-    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    finally:
+        torch.use_deterministic_algorithms(False)
     ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
     assert_close(out, ref, dtype)
     assert_close(g_logits, r_logits, dtype)
