@@ -307,7 +307,8 @@ def main(argv=None) -> int:
     p.add_argument("--main-steps-maskgit", type=int, default=8, help="MaskGIT's sampling steps (paper: 8)")
     p.add_argument("--few-steps", nargs="+", type=int, default=FEW_STEPS)
     p.add_argument("--no-few-steps", action="store_true")
-    p.add_argument("--eval-batch", type=int, default=500)
+    p.add_argument("--eval-batch", type=int, default=None,
+                   help="images per sampling batch (default: the pipeline's, by device)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (per run with --jobs)")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
     p.add_argument("--time-limit", type=float, default=None, help="seconds after which no new run starts")

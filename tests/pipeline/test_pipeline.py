@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from vqlcmd.pipeline import VQLCMDPipeline, image_generators
+from vqlcmd.pipeline import VQLCMDPipeline, default_batch_size, image_generators
 
 
 def G(seed=0):
@@ -63,6 +63,16 @@ def test_per_image_generators_do_not_depend_on_batching(tiny_pipeline):
 def test_one_generator_is_reproducible_for_a_batch_size(tiny_pipeline):
     kw = dict(num_steps=3, output_type="tokens", batch_size=4)
     assert torch.equal(tiny_pipeline(LABELS, generator=G(1), **kw), tiny_pipeline(LABELS, generator=G(1), **kw))
+
+
+def test_default_batch_size_is_small_on_cpu(tiny_pipeline):
+    assert default_batch_size(torch.device("cpu")) == 32 and default_batch_size(torch.device("cuda")) == 256
+    labels = list(range(4)) * 10  # 40 images: two batches of the CPU default
+    kw = dict(num_steps=2, output_type="tokens")
+    assert torch.equal(tiny_pipeline(labels, generator=G(3), **kw),
+                       tiny_pipeline(labels, generator=G(3), batch_size=32, **kw))
+    with pytest.raises(ValueError, match="batch_size"):
+        tiny_pipeline(labels, batch_size=0, **kw)
 
 
 def test_output_types_and_defaults(tiny_pipeline):
