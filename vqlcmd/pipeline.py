@@ -121,6 +121,13 @@ class VQLCMDPipeline:
     def device(self) -> torch.device:
         return self.network.embedding.weight.device
 
+    def _batch_size(self, batch_size: Optional[int]) -> int:
+        """The caller's batch size, checked, or the device's default (shared with MaskGITPipeline)."""
+        batch_size = default_batch_size(self.device) if batch_size is None else batch_size
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return batch_size
+
     @torch.no_grad()
     def __call__(self, class_labels=None, *, num_images: Optional[int] = None, num_steps: Optional[int] = None,
                  guidance_scale: Optional[float] = None, sampler: Optional[str] = None,
@@ -132,15 +139,14 @@ class VQLCMDPipeline:
         ``generator``: one ``torch.Generator`` (reproducible for the same ``batch_size``) or a list with one
         generator per image (see ``image_generators``): then each image depends only on its own generator,
         not on the batch or rank that draws it. ``batch_size`` bounds the images per denoiser batch
-        (guidance doubles the rows; default ``default_batch_size(device)``). ``output_type``: "pil" (list of PIL images), "pt" (float tensor in
-        [0, 1], (N, C, H, W)) or "tokens" ((N, h, w) int64, no tokenizer needed). Defaults for
+        (guidance doubles the rows; default ``default_batch_size(device)``). ``output_type``: "pil" (list
+        of PIL images), "pt" (float tensor in [0, 1], (N, C, H, W)) or "tokens" ((N, h, w) int64, no
+        tokenizer needed). Defaults for
         ``num_steps``, ``guidance_scale``, ``sampler`` and ``final`` come from the exported config.
         """
         if output_type not in ("pil", "pt", "tokens"):
             raise ValueError(f"output_type must be 'pil', 'pt' or 'tokens', got {output_type!r}")
-        batch_size = default_batch_size(self.device) if batch_size is None else batch_size
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        batch_size = self._batch_size(batch_size)
         d = self.sample_defaults
         explicit_guidance = guidance_scale is not None
         num_steps = num_steps or d.get("num_steps", 50)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..diffusion.losses import drop_labels
 from ..network import VQLCMDNetwork
-from ..pipeline import VQLCMDPipeline, default_batch_size, to_pil
+from ..pipeline import VQLCMDPipeline, to_pil
 from ..samplers import resolve_labels
 
 MASK_SCHEDULES = ("cosine", "arccos", "linear", "square")
@@ -206,9 +206,7 @@ class MaskGITPipeline(VQLCMDPipeline):
             labels, n = None, num_images
             if cfg.num_classes > 0 and guidance_scale > 0:
                 raise ValueError("guidance needs class_labels")
-        batch_size = default_batch_size(self.device) if batch_size is None else batch_size
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        batch_size = self._batch_size(batch_size)
         chunks = []
         for start in range(0, n, batch_size):
             stop = min(n, start + batch_size)
