@@ -21,6 +21,8 @@ CUDA toolkit is found. Environment:
 - ``VQLCMD_CPU_AVX2=0``: portable CPU vectors instead of AVX2 (built by default
   when the build machine has AVX2, FMA and F16C).
 - ``MAX_JOBS``: parallel compile jobs (ninja); default: the number of cores.
+- ``VQLCMD_DEBUG_INFO=1``: keep debug info. By default ``-g0`` overrides the ``-g`` that Python's own
+  CFLAGS add: the torch-header-heavy C++ files then compile in 50 s instead of 88 s on 2 cores.
 """
 import glob
 import os
@@ -78,6 +80,8 @@ def _extension():
     with_cuda = bool(want_cuda and cuda_sources and torch.version.cuda and nvcc_version)
     arch_list = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""
     cxx = ["-O3", "-Wno-unknown-pragmas"]
+    if os.environ.get("VQLCMD_DEBUG_INFO", "0") != "1":
+        cxx.append("-g0")
     if _has_avx2():
         # at::vec::Vectorized<float> as AVX2 (its Sleef calls resolve in libtorch_cpu)
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
