@@ -87,3 +87,19 @@ def test_attention_dropout_only_in_training(gen):
     t, y = torch.rand(2), torch.tensor([0, 1])
     model.eval()
     torch.testing.assert_close(model(z, t, y), model(z, t, y))
+
+
+def test_activation_switch_is_the_named_gelu(gen):
+    """``activation`` picks the MLP's GELU: the block's MLP equals fc2(gelu(fc1 x)) with the exact (erf)
+    or tanh form; configs without the field (saved before it existed) keep the tanh form."""
+    x = torch.randn(5, 32, generator=gen)
+    for name, approximate in (("gelu", "none"), ("gelu_tanh", "tanh")):
+        mlp = build_denoiser("tiny", activation=name).blocks[0].mlp
+        fc1, fc2 = mlp[0], mlp[2]
+        want = fc2(torch.nn.functional.gelu(fc1(x), approximate=approximate))
+        torch.testing.assert_close(mlp(x), want)
+    tanh_mlp = build_denoiser("tiny").blocks[0].mlp
+    assert tanh_mlp[1].approximate == "tanh"
+    assert preset_config("digits-1m").activation == "gelu"
+    with pytest.raises(ValueError, match="activation must be one of"):
+        build_denoiser("tiny", activation="relu")
