@@ -14,6 +14,13 @@ import torch.nn.functional as F
 CLASS_NAMES = [str(i) for i in range(10)]
 
 
+# Batch of the digits tokenizer's training. At 400 steps, batch 32 reached the PSNR of batch 64 (33.6 vs
+# 33.7 dB, 127 vs 126 of 128 codes, the classifier reads 99.9% of the reconstructions right either way) in
+# 136 s instead of 228 s on the 2-core CPU: the small convolutions run far below the cores' peak, so
+# a step costs nearly in proportion to its images.
+DIGITS_TOKENIZER_BATCH = 32
+
+
 def digits_images(size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """images (1797, 1, size, size) float32 in [-1, 1] and labels (1797,) int64 from scikit-learn's copy
     (shipped inside the package: nothing is downloaded)."""
@@ -51,13 +58,13 @@ def _locked(path: Path):
 
 
 def prepare_digits(cache_dir=None, *, steps: int = 1000, seed: int = 0, size: int = 32, shard_size: int = 1024,
-                   progress: bool = True, log=print) -> dict:
+                   batch_size: int = DIGITS_TOKENIZER_BATCH, progress: bool = True, log=print) -> dict:
     """The embedded data set, ready to train on: trains the small tokenizer on the digits (or reuses the
     cached one), tokenizes them into shards, and returns ``dict(shards=<folder>, tokenizer=<folder>,
     psnr=..., codebook_usage=..., codebook_size=..., seconds=...)``.
 
-    Cached under ``cache_dir`` (default ``default_cache_dir()``), keyed by ``steps``, ``seed`` and
-    ``size``, so the quick start trains once.
+    Cached under ``cache_dir`` (default ``default_cache_dir()``), keyed by ``steps``, ``batch_size``,
+    ``seed`` and ``size``, so the quick start trains once.
     """
     from ..tokenizer import load_tokenizer
     from ..tokenizer.small import TrainConfig, small_vqmodel, train_vqmodel
@@ -65,7 +72,7 @@ def prepare_digits(cache_dir=None, *, steps: int = 1000, seed: int = 0, size: in
     t0 = time.perf_counter()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     root = root / "digits"
-    tok_dir = root / f"tokenizer-{size}px-{steps}steps-seed{seed}"
+    tok_dir = root / f"tokenizer-{size}px-{steps}steps-b{batch_size}-seed{seed}"
     with _locked(root / ".lock"):
         images, labels = digits_images(size)
         metrics_file = tok_dir / "metrics.json"
@@ -77,7 +84,7 @@ def prepare_digits(cache_dir=None, *, steps: int = 1000, seed: int = 0, size: in
             log(f"digits: training the small tokenizer for {steps} steps -> {tok_dir}")
             torch.manual_seed(seed)
             model = small_vqmodel(channels=1, image_size=size)
-            metrics = train_vqmodel(model, images, TrainConfig(steps=steps, seed=seed), progress=progress, log=log)
+            metrics = train_vqmodel(model, images, TrainConfig(steps=steps, batch_size=batch_size, seed=seed), progress=progress, log=log)
             tmp = tok_dir.with_name(f".{tok_dir.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             model.save_pretrained(str(tmp))
