@@ -48,3 +48,22 @@ def test_ds_digits_two_ranks_few_steps(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ZeRO stage 2" in proc.stdout + proc.stderr
     assert (tmp_path / "digits" / "checkpoints" / "step_0000003").is_dir()
+
+
+def test_one_rank_cpu_group_does_not_compile_deepspeeds_shm_allreduce(tmp_path):
+    """A one-rank CPU run makes no collectives, so it must not spend minutes JIT-building DeepSpeed's
+    shared-memory all-reduce (an empty extensions folder would make it compile, and print so)."""
+    code = ("from vqlcmd.engine.distributed import init_distributed\n"
+            "print(init_distributed())\n"
+            "from deepspeed.comm import comm as dc\n"
+            "print('shm op:', dc.cdb.shm_comm_op)\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CUDA_VISIBLE_DEVICES": ""}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(0, 1, 0, device(type='cpu'))" in proc.stdout
+    assert "shm op: None" in proc.stdout
+    assert "built successfully" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())

@@ -27,10 +27,22 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            _skip_shm_comm_build()
     # Rank 0 may spend many minutes preparing data (the digits tokenizer) while the others wait at a
     # barrier; the default 10-minute collective timeout would kill them.
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=datetime.timedelta(hours=2))
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device
+
+
+def _skip_shm_comm_build() -> None:
+    """DeepSpeed JIT-compiles its shared-memory CPU all-reduce (``deepspeed_shm_comm``) whenever it sets up
+    a CPU process group: 1-2 minutes of g++ on a fresh 2-core machine, for collectives that a one-rank run
+    never makes. DeepSpeed builds it only for ops its cached compatibility table marks compatible, and
+    keeps that table in ``deepspeed.ops`` so that edits to it persist; runs with several ranks keep it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def barrier() -> None:
