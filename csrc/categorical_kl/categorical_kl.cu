@@ -18,7 +18,8 @@
 namespace vqlcmd {
 namespace {
 
-using cuda::Pack4;
+using cuda::load;
+using cuda::store;
 
 constexpr int kWarp = 32;
 constexpr unsigned kFullWarp = 0xffffffffu;
@@ -61,30 +62,6 @@ __device__ __forceinline__ OnlineLSE warp_lse(OnlineLSE s) {
     s = lse_merge(s, other);
   }
   return s;
-}
-
-// kPack elements per load: 4 (one Pack4) when K % 4 == 0 and the rows are aligned.
-template <int kPack, typename T>
-__device__ __forceinline__ void load(const T* p, float (&v)[kPack]) {
-  if constexpr (kPack == 4) {
-    const Pack4<T> x = *reinterpret_cast<const Pack4<T>*>(p);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = static_cast<float>(x.v[j]);
-  } else {
-    v[0] = static_cast<float>(*p);
-  }
-}
-
-template <int kPack, typename T>
-__device__ __forceinline__ void store(T* p, const float (&v)[kPack]) {
-  if constexpr (kPack == 4) {
-    Pack4<T> x;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) x.v[j] = static_cast<T>(v[j]);
-    *reinterpret_cast<Pack4<T>*>(p) = x;
-  } else {
-    *p = static_cast<T>(v[0]);
-  }
 }
 
 // kl (if given) and grad = grad_scale[row] * (q - p) (if given) for rows of

@@ -25,6 +25,33 @@ struct alignas(4 * sizeof(T)) Pack4 {
   T v[4];
 };
 
+// kPack (1 or 4) elements of T to or from floats; 4 move as one Pack4, so the caller guarantees 4-element
+// alignment (aligned4 on the base pointer and a row length divisible by 4).
+template <int kPack, typename T>
+__device__ __forceinline__ void load(const T* p, float (&v)[kPack]) {
+  static_assert(kPack == 1 || kPack == 4, "kPack is 1 or 4");
+  if constexpr (kPack == 4) {
+    const Pack4<T> x = *reinterpret_cast<const Pack4<T>*>(p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = static_cast<float>(x.v[j]);
+  } else {
+    v[0] = static_cast<float>(*p);
+  }
+}
+
+template <int kPack, typename T>
+__device__ __forceinline__ void store(T* p, const float (&v)[kPack]) {
+  static_assert(kPack == 1 || kPack == 4, "kPack is 1 or 4");
+  if constexpr (kPack == 4) {
+    Pack4<T> x;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x.v[j] = static_cast<T>(v[j]);
+    *reinterpret_cast<Pack4<T>*>(p) = x;
+  } else {
+    *p = static_cast<T>(v[0]);
+  }
+}
+
 template <typename T>
 inline bool aligned4(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;

@@ -164,13 +164,7 @@ __global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, co
         for (int j = 0; j < kPack; ++j) g[i][j] = 0.0f;
         continue;
       }
-      if constexpr (kPack == 4) {
-        const Pack4<grad_t> x = *reinterpret_cast<const Pack4<grad_t>*>(grad + r * D + d);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) g[i][j] = static_cast<float>(x.v[j]);
-      } else {
-        g[i][0] = static_cast<float>(grad[r * D + d]);
-      }
+      cuda::load<kPack>(grad + r * D + d, g[i]);
     }
     // Ids and scales next, all loads issued before the first is used.
     int64_t row[kTokensPerThread];  // -1: nothing to add (past N, a bad id, or merged)
