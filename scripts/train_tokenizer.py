@@ -27,8 +27,7 @@ def parse_args(argv=None):
     p.add_argument("--size", type=int, default=32, help="image side")
     p.add_argument("--channels", type=int, default=None, help="1 or 3 (digits: 1; images: 3)")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="digits: 32 (the quick start's recipe); images: 64")
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--codebook-size", type=int, default=128)
     p.add_argument("--code-dim", type=int, default=8)
@@ -47,8 +46,8 @@ def main(argv=None) -> dict:
 
     progress = not args.no_progress
     if args.dataset == "digits" and args.out is None:
-        kw = {} if args.batch_size is None else {"batch_size": args.batch_size}
-        info = prepare_digits(steps=args.steps, seed=args.seed, size=args.size, progress=progress, **kw)
+        info = prepare_digits(steps=args.steps, seed=args.seed, size=args.size, batch_size=args.batch_size,
+                              progress=progress)
         print(json.dumps(info, indent=1))
         return info
     if args.out is None:
@@ -64,8 +63,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     model = small_vqmodel(channels=channels, image_size=args.size, block_channels=blocks,
                           codebook_size=args.codebook_size, code_dim=args.code_dim, groups=min(8, blocks[0]))
-    cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed,
-                      **({} if args.batch_size is None else {"batch_size": args.batch_size}))
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     metrics = train_vqmodel(model, images, cfg, progress=progress)
     from vqlcmd.tokenizer import model_identifier
 

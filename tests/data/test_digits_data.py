@@ -53,3 +53,14 @@ def test_prepare_again_reuses_the_cache(prepared):
     again = prepare_digits(cache, steps=3, progress=False, log=logs.append)
     assert any("reusing tokenizer" in m for m in logs)
     assert again["tokenizer_id"] == info["tokenizer_id"] and again["shards"] == info["shards"]
+
+
+def test_cache_is_keyed_by_the_tokenizer_batch(prepared):
+    """Batch 64 keeps the folder name older caches used; another batch trains (and caches) its own."""
+    cache, info, _ = prepared
+    assert info["tokenizer"].endswith("tokenizer-32px-3steps-seed0")
+    logs = []
+    other = prepare_digits(cache, steps=3, batch_size=8, progress=False, log=logs.append)
+    assert other["tokenizer"].endswith("tokenizer-32px-3steps-b8-seed0")
+    assert not any("reusing tokenizer" in m for m in logs)
+    assert other["tokenizer_id"] != info["tokenizer_id"]
