@@ -19,6 +19,7 @@ CLASS_NAMES = [str(i) for i in range(10)]
 # by the classifier) in 136 s instead of 228 s, but VQ-LCMD trained on its tokens with the quick start's
 # recipe scored 79.8% (and 83.0% with the erf GELU) against 94.6-99.4% on the batch-64 tokens.
 DIGITS_TOKENIZER_BATCH = 64
+_UNTAGGED_BATCH = 64  # the batch of every cache folder named without one (fixed, whatever the default becomes)
 
 
 def digits_images(size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +74,7 @@ def prepare_digits(cache_dir=None, *, steps: int = 1000, seed: int = 0, size: in
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     root = root / "digits"
     # caches made before the batch became a parameter hold batch-64 tokenizers under the short name
-    batch_tag = "" if batch_size == 64 else f"-b{batch_size}"
+    batch_tag = "" if batch_size == _UNTAGGED_BATCH else f"-b{batch_size}"
     tok_dir = root / f"tokenizer-{size}px-{steps}steps{batch_tag}-seed{seed}"
     with _locked(root / ".lock"):
         images, labels = digits_images(size)
@@ -86,7 +87,8 @@ def prepare_digits(cache_dir=None, *, steps: int = 1000, seed: int = 0, size: in
             log(f"digits: training the small tokenizer for {steps} steps -> {tok_dir}")
             torch.manual_seed(seed)
             model = small_vqmodel(channels=1, image_size=size)
-            metrics = train_vqmodel(model, images, TrainConfig(steps=steps, batch_size=batch_size, seed=seed), progress=progress, log=log)
+            config = TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
+            metrics = train_vqmodel(model, images, config, progress=progress, log=log)
             tmp = tok_dir.with_name(f".{tok_dir.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             model.save_pretrained(str(tmp))
