@@ -5,6 +5,9 @@ categorical_kl forward+backward >= 3x faster than reference with <= 1/3 of its
 extra peak memory, noise_embeddings and ddim_teacher_step >= 2x. On a GPU each
 kernel also reports its achieved bandwidth (bytes it must move / time) as a
 fraction of the card's measured copy bandwidth (goal >= 0.85).
+
+On CPU also gelu_tanh (the denoiser's MLP nonlinearity; no CUDA kernel) over
+(N, 4 D) activations, against PyTorch's tanh GELU.
 """
 from __future__ import annotations
 
@@ -79,8 +82,20 @@ def _cases(ctx: Context):
     def ddim(backend):
         return lambda: ops.ddim_teacher_step(tokens, table, noise, *coef, backend=backend), None
 
+    act = torch.randn(N, 4 * D, device=dev, generator=g)
+    up_act = torch.randn(N, 4 * D, device=dev, generator=g)
+
+    def gelu_fwd(backend):
+        return lambda: ops.gelu_tanh(act, backend=backend), None
+
+    def gelu_fwd_bwd(backend):
+        a = act.clone().requires_grad_()
+        return lambda: torch.autograd.grad(ops.gelu_tanh(a, backend=backend), a, up_act), None
+
+    gelu = [("gelu_tanh", "fwd", f"N={N} F={4 * D}", 2 * N * 4 * D * f32, gelu_fwd),
+            ("gelu_tanh", "fwd+bwd", f"N={N} F={4 * D}", 5 * N * 4 * D * f32, gelu_fwd_bwd)]
     # bytes each case must move at least (reads + writes of full tensors; the table is cache-resident)
-    return [
+    return (gelu if dev.type == "cpu" else []) + [
         ("categorical_kl", "fwd", kl_shape, 2 * N * K * f32 + N * f32, kl_fwd),
         ("categorical_kl", "fwd+bwd", kl_shape, 5 * N * K * f32, kl_fwd_bwd),
         ("noise_embeddings", "fwd (noise given)", z_shape, 3 * N * D * f32, noise_fwd(False)),

@@ -21,4 +21,7 @@ TORCH_LIBRARY(vqlcmd, m) {
   // (kl, d kl / d student) per row; the gradient is empty unless emit_grad.
   m.def("categorical_kl(Tensor teacher, Tensor student, bool emit_grad) -> (Tensor, Tensor)");
   m.def("categorical_kl_backward(Tensor grad_kl, Tensor teacher, Tensor student) -> Tensor");
+  // DiT's tanh-approximate GELU (CPU kernel only; see csrc/gelu_tanh/).
+  m.def("gelu_tanh(Tensor x) -> Tensor");
+  m.def("gelu_tanh_backward(Tensor grad, Tensor x) -> Tensor");
 }

@@ -1,7 +1,9 @@
 // The per-element formulas of noise_embeddings and ddim_teacher_step (VQ-LCMD.md
-// training steps 2 and 3) on hand-computed values.
+// training steps 2 and 3) on hand-computed values, and gelu_tanh's sigmoid form
+// against the tanh form it rewrites.
 #include "check.h"
 #include "ddim_teacher_step/ddim_teacher_step.h"
+#include "gelu_tanh/gelu_tanh.h"
 #include "noise_embeddings/noise_embeddings.h"
 
 using namespace vqlcmd;
@@ -20,5 +22,20 @@ int main() {
   // s = t is the identity, and s = 0 (a_s = 1, s_s = 0) returns the clean embedding
   CHECK_NEAR(ddim_step(e, z_t, a_t, a_t, 1.0f), z_t, 1e-6);
   CHECK_NEAR(ddim_step(e, z_t, a_t, 1.0f, 0.0f), e, 0.0);
+
+  // gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), evaluated in double; the
+  // gradient against a central difference of that double formula
+  const auto tanh_form = [](double x) {
+    return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+  };
+  for (float x = -6.0f; x <= 6.0f; x += 0.25f) {
+    CHECK_NEAR(gelu_tanh(x), tanh_form(x), 1e-6 * (1.0 + std::fabs(x)));
+    const double h = 1e-5, fd = (tanh_form(x + h) - tanh_form(x - h)) / (2 * h);
+    CHECK_NEAR(gelu_tanh_grad(x), fd, 1e-5);
+  }
+  CHECK(gelu_tanh(0.0f) == 0.0f);
+  CHECK_NEAR(gelu_tanh_grad(0.0f), 0.5, 1e-7);
+  CHECK(gelu_tanh(-1e4f) == 0.0f && gelu_tanh(1e4f) == 1e4f);  // saturated tails, no NaN
+  CHECK(gelu_tanh_grad(-1e4f) == 0.0f && gelu_tanh_grad(1e4f) == 1.0f);
   return g_failures;
 }

@@ -350,3 +350,65 @@ def test_torch_compile_fullgraph_traces_the_ops(gen):
     loss_ref.backward()
     torch.testing.assert_close(loss, loss_ref)
     torch.testing.assert_close(t1.grad, t2.grad)
+
+
+# ---- gelu_tanh -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 7, 1000, 70001])
+def test_gelu_tanh_matches_torch(n, dtype, gen):
+    """Values and gradients (non-unit upstream) against F.gelu(approximate="tanh"), odd sizes that
+    leave a scalar tail after the vector loop, and a range that reaches the saturated tails."""
+    x = (torch.randn(n, generator=gen) * 4).to(dtype)
+    upstream = torch.randn(n, generator=gen).to(dtype)
+    out = {}
+    for backend in ("compiled", "reference"):
+        xr = x.clone().requires_grad_()
+        y = ops.gelu_tanh(xr, backend=backend)
+        y.backward(upstream)
+        out[backend] = (y, xr.grad)
+    assert out["compiled"][0].dtype == dtype
+    close(out["compiled"][0], out["reference"][0], dtype)
+    close(out["compiled"][1], out["reference"][1], dtype, scale=2.0)
+
+
+def test_gelu_tanh_is_more_accurate_than_float32_rounding_needs():
+    """Against the float64 formula: the sigmoid form avoids the cancellation of 1 + tanh(u) for negative
+    x, so its relative error stays near float32 rounding where PyTorch's tanh form loses digits."""
+    x = torch.linspace(-9, 9, 100001)
+    exact = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    y = ops.gelu_tanh(x, backend="compiled").double()
+    big = exact.abs() > 1e-3
+    assert ((y - exact).abs() / exact.abs())[big].max() < 2e-6
+    assert (y - exact).abs().max() < 1e-6
+    # saturated tails: exactly x for large x, -0 (not NaN) for very negative x
+    ends = ops.gelu_tanh(torch.tensor([-1e4, -200.0, 200.0, 1e4]), backend="compiled")
+    assert torch.equal(ends, torch.tensor([0.0, 0.0, 200.0, 1e4]))
+    xr = torch.tensor([-1e4, 1e4], requires_grad=True)
+    ops.gelu_tanh(xr, backend="compiled").sum().backward()
+    assert torch.equal(xr.grad, torch.tensor([0.0, 1.0]))
+
+
+def test_gelu_tanh_noncontiguous_empty_and_dispatch(gen):
+    x = torch.randn(6, 10, generator=gen).t()  # non-contiguous
+    torch.testing.assert_close(ops.gelu_tanh(x, backend="compiled"), ops.gelu_tanh(x, backend="reference"))
+    assert ops.gelu_tanh(torch.empty(0, 3), backend="compiled").shape == (0, 3)
+    assert ops._dispatch.resolve("gelu_tanh", "auto", x) is _compiled.gelu_tanh
+    assert ops._dispatch.resolve("gelu_tanh", "auto", x.double()) is not _compiled.gelu_tanh
+    with pytest.raises(TypeError, match="floating-point"):
+        ops.gelu_tanh(torch.ones(3, dtype=torch.long))
+    assert "CPU kernel only" in _compiled._gelu_unsupported(torch.empty(1, device="meta"))
+
+
+def test_gelu_tanh_opcheck_and_compile(gen):
+    x = torch.randn(3, 37, generator=gen)
+    torch.library.opcheck(torch.ops.vqlcmd.gelu_tanh.default, (x.clone().requires_grad_(),))
+    torch.library.opcheck(torch.ops.vqlcmd.gelu_tanh_backward.default, (torch.randn_like(x), x))
+    fn = torch.compile(lambda t: ops.gelu_tanh(t) * 2, fullgraph=True, backend="aot_eager")
+    xr = x.clone().requires_grad_()
+    y = fn(xr)
+    y.sum().backward()
+    x2 = x.clone().requires_grad_()
+    (2 * ops.gelu_tanh(x2, backend="reference")).sum().backward()
+    torch.testing.assert_close(y, 2 * ops.gelu_tanh(x, backend="reference"))
+    torch.testing.assert_close(xr.grad, x2.grad)

@@ -24,10 +24,11 @@ __all__ = [
     "categorical_kl",
     "noise_embeddings",
     "ddim_teacher_step",
+    "gelu_tanh",
 ]
 
 OPS = ("softmax_embedding_average", "guided_embedding_average", "categorical_kl", "noise_embeddings",
-       "ddim_teacher_step")
+       "ddim_teacher_step", "gelu_tanh")
 for _op in OPS:
     register(_op, "reference", getattr(reference, _op), priority=lambda device: -1)
 
@@ -120,6 +121,17 @@ def ddim_teacher_step(
     _checks.check_ddim_inputs(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
     fn = resolve("ddim_teacher_step", backend, z_t, tokens)
     return fn(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
+
+
+def gelu_tanh(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))``, the denoiser's MLP nonlinearity (DiT's GELU).
+
+    Same values as ``F.gelu(x, approximate="tanh")`` to float32 rounding; differentiable. Not a
+    VQ-LCMD op: the compiled backend exists because PyTorch's CPU kernel of it is slow (csrc/gelu_tanh).
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"gelu_tanh takes a floating-point tensor, got {x.dtype}")
+    return resolve("gelu_tanh", backend, x)(x)
 
 
 def _register_optional_backends() -> None:

@@ -168,6 +168,28 @@ def _kl_backward(ctx, grad_kl, _grad_of_grad):
     return None, grad_student, None
 
 
+# ---- gelu_tanh -------------------------------------------------------------------------------
+
+def gelu_tanh(x):
+    return torch.ops.vqlcmd.gelu_tanh(x)
+
+
+def _gelu_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _gelu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.vqlcmd.gelu_tanh_backward(grad, x)
+
+
+def _gelu_unsupported(x: torch.Tensor) -> Optional[str]:
+    if x.device.type != "cpu":
+        return ("gelu_tanh has a CPU kernel only: on GPUs PyTorch's GELU is one memory-bound pass already "
+                "(the reference serves it)")
+    return unsupported(x)
+
+
 # ---- torch.library: fake implementations and autograd ------------------------------------------
 
 def _register_library() -> None:
@@ -194,6 +216,15 @@ def _register_library() -> None:
     def _(grad_kl, teacher, student):
         return student.new_empty(student.shape)
 
+    @torch.library.register_fake(lib + "gelu_tanh")
+    def _(x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(lib + "gelu_tanh_backward")
+    def _(grad, x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    torch.library.register_autograd(lib + "gelu_tanh", _gelu_backward, setup_context=_gelu_setup_context)
     torch.library.register_autograd(lib + "noise_embeddings", _noise_backward, setup_context=_noise_setup_context)
     torch.library.register_autograd(lib + "categorical_kl", _kl_backward, setup_context=_kl_setup_context)
 
@@ -204,3 +235,5 @@ if _C is not None:
 for _op, _fn in (("noise_embeddings", noise_embeddings), ("ddim_teacher_step", ddim_teacher_step),
                  ("categorical_kl", categorical_kl)):
     register(_op, "compiled", _fn, unavailable=unavailable, unsupported=unsupported, priority=_priority)
+register("gelu_tanh", "compiled", gelu_tanh, unavailable=unavailable, unsupported=_gelu_unsupported,
+         priority=_priority)

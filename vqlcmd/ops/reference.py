@@ -20,6 +20,10 @@ def _per_batch(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)[:, None, None]  # (B, 1, 1)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     dt = math_dtype(logits, table)
     probs = torch.softmax(logits.to(dt), dim=-1)  # (..., K)
