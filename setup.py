@@ -79,14 +79,18 @@ def _extension():
     nvcc_version = _nvcc_version(cuda_home) if cuda_home else ""
     with_cuda = bool(want_cuda and cuda_sources and torch.version.cuda and nvcc_version)
     arch_list = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""
-    cxx = ["-O3", "-Wno-unknown-pragmas"]
+    # -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in ATen's headers, so without it
+    # every CPU kernel ran on one thread (ignored pragmas compile silently). The OpenMP runtime is
+    # the libgomp.so.1 that torch already loaded, found by its soname.
+    cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]
     if os.environ.get("VQLCMD_DEBUG_INFO", "0") != "1":
         cxx.append("-g0")
     if _has_avx2():
         # at::vec::Vectorized<float> as AVX2 (its Sleef calls resolve in libtorch_cpu)
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     defines = [f'-DVQLCMD_CUDA_ARCH_LIST="{arch_list}"', f'-DVQLCMD_CUDA_VERSION="{nvcc_version}"']
-    kwargs = dict(name="vqlcmd._C", sources=_sources("*.cpp"), include_dirs=[os.path.join(ROOT, "csrc")])
+    kwargs = dict(name="vqlcmd._C", sources=_sources("*.cpp"), include_dirs=[os.path.join(ROOT, "csrc")],
+                  extra_link_args=["-fopenmp"])
     if with_cuda:
         nvcc = ["-O3", "-lineinfo", "-DVQLCMD_WITH_CUDA", *defines]
         ext = cpp_extension.CUDAExtension(sources=kwargs.pop("sources") + cuda_sources, **kwargs,
