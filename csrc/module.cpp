@@ -29,6 +29,13 @@ PYBIND11_MODULE(_C, m) {
 #else
   info["compiler"] = "unknown";
 #endif
+  // at::parallel_for is an inline OpenMP pragma in ATen's headers: without
+  // -fopenmp the CPU kernels compile fine and run on one thread
+#ifdef _OPENMP
+  info["openmp"] = true;
+#else
+  info["openmp"] = false;
+#endif
 #ifdef CPU_CAPABILITY_AVX2
   info["cpu_vector"] = "AVX2";
 #else

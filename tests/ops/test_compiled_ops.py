@@ -30,8 +30,12 @@ def test_backend_is_registered_and_reports_build():
     for op in ("noise_embeddings", "ddim_teacher_step", "categorical_kl"):
         assert "compiled" in ops.available_backends(op)
     info = _compiled.build_info()
-    assert {"with_cuda", "cuda_version", "cuda_arch_list", "compiler", "cpu_vector"} <= set(info)
+    assert {"with_cuda", "cuda_version", "cuda_arch_list", "compiler", "cpu_vector", "openmp"} <= set(info)
     assert "compiled backend" in _compiled.describe()
+    if "OpenMP" in torch.__config__.parallel_info():
+        # at::parallel_for is an inline OpenMP pragma: a build without -fopenmp runs every CPU kernel on
+        # one thread, silently
+        assert info["openmp"], "vqlcmd._C was compiled without OpenMP; its CPU kernels use one thread"
 
 
 def test_auto_prefers_compiled_on_cpu_and_float64_falls_back():

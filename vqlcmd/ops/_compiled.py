@@ -52,7 +52,8 @@ def describe() -> str:
     info = build_info()
     cuda = (f"CUDA kernels (CUDA {info['cuda_version']}, arch {info['cuda_arch_list']})" if info["with_cuda"]
             else "no CUDA kernels")
-    return f"compiled backend: CPU kernels ({info['cpu_vector']}) + {cuda}; {info['compiler']}"
+    threads = "OpenMP" if info.get("openmp") else "one thread: built without OpenMP"
+    return f"compiled backend: CPU kernels ({info['cpu_vector']}, {threads}) + {cuda}; {info['compiler']}"
 
 
 def unsupported(*tensors: torch.Tensor) -> Optional[str]:
