@@ -17,10 +17,7 @@ using cpu::Vec;
 constexpr int64_t kGrain = 32768;  // elements per parallel task
 constexpr int64_t kBlock = 1024;   // bf16/fp16 elements converted to float32 at a time
 
-inline Vec sigmoid_v(Vec x) {
-  const Vec v = x * (Vec(kGeluTwoK) + Vec(kGeluTwoKC) * x * x);
-  return Vec(1.0f) / (Vec(1.0f) + v.neg().exp());
-}
+inline Vec sigmoid_v(Vec x) { return Vec(1.0f) / (Vec(1.0f) + gelu_tanh_v(x).neg().exp()); }
 
 void forward_floats(const float* x, float* y, int64_t n) {
   int64_t i = 0;
@@ -32,13 +29,12 @@ void forward_floats(const float* x, float* y, int64_t n) {
 }
 
 void backward_floats(const float* g, const float* x, float* dx, int64_t n) {
-  const Vec one(1.0f), two_k(kGeluTwoK), three_two_kc(3.0f * kGeluTwoKC);
+  const Vec one(1.0f);
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) {
     const Vec vx = Vec::loadu(x + i);
     const Vec s = sigmoid_v(vx);
-    const Vec dv = two_k + three_two_kc * vx * vx;
-    (Vec::loadu(g + i) * (s + vx * s * (one - s) * dv)).store(dx + i);
+    (Vec::loadu(g + i) * (s + vx * s * (one - s) * gelu_tanh_dv(vx))).store(dx + i);
   }
   for (; i < n; ++i) dx[i] = g[i] * gelu_tanh_grad(x[i]);
 }
