@@ -7,7 +7,9 @@ kernel also reports its achieved bandwidth (bytes it must move / time) as a
 fraction of the card's measured copy bandwidth (goal >= 0.85).
 
 On CPU also gelu_tanh (the denoiser's MLP nonlinearity; no CUDA kernel) over
-(N, 4 D) activations, against PyTorch's tanh GELU.
+(N, 4 D) activations, against PyTorch's tanh GELU, and ada_layer_norm (the
+denoiser's AdaLN; no CUDA kernel) at the digits model's shape, (72, 64, 128) per
+student forward, against PyTorch's LayerNorm plus the two broadcast ops.
 """
 from __future__ import annotations
 
@@ -94,6 +96,29 @@ def _cases(ctx: Context):
 
     gelu = [("gelu_tanh", "fwd", f"N={N} F={4 * D}", 2 * N * 4 * D * f32, gelu_fwd),
             ("gelu_tanh", "fwd+bwd", f"N={N} F={4 * D}", 5 * N * 4 * D * f32, gelu_fwd_bwd)]
+
+    # the digits model's AdaLN input: 72 images (64 + the L0 rows) x 64 tokens x width 128
+    aB, aM, aW = (2, 16, 32) if ctx.quick else (72, 64, 128)
+    h = torch.randn(aB, aM, aW, device=dev, generator=g)
+    mod = torch.randn(aB, 2 * aW, device=dev, generator=g)
+    up_h = torch.randn(aB, aM, aW, device=dev, generator=g)
+
+    def ada_fwd(backend):
+        scale, shift = mod.chunk(2, dim=-1)
+        return lambda: ops.ada_layer_norm(h, scale, shift, backend=backend), None
+
+    def ada_fwd_bwd(backend):
+        leaves = [h.clone().requires_grad_(), mod.clone().requires_grad_()]
+
+        def fn():
+            scale, shift = leaves[1].chunk(2, dim=-1)
+            return torch.autograd.grad(ops.ada_layer_norm(leaves[0], scale, shift, backend=backend), leaves, up_h)
+
+        return fn, None
+
+    ada_shape = f"B={aB} M={aM} W={aW}"
+    gelu += [("ada_layer_norm", "fwd", ada_shape, 2 * aB * aM * aW * f32, ada_fwd),
+             ("ada_layer_norm", "fwd+bwd", ada_shape, 5 * aB * aM * aW * f32, ada_fwd_bwd)]
     # bytes each case must move at least (reads + writes of full tensors; the table is cache-resident)
     return (gelu if dev.type == "cpu" else []) + [
         ("categorical_kl", "fwd", kl_shape, 2 * N * K * f32 + N * f32, kl_fwd),

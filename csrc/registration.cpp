@@ -24,4 +24,10 @@ TORCH_LIBRARY(vqlcmd, m) {
   // DiT's tanh-approximate GELU (CPU kernel only; see csrc/gelu_tanh/).
   m.def("gelu_tanh(Tensor x) -> Tensor");
   m.def("gelu_tanh_backward(Tensor grad, Tensor x) -> Tensor");
+  // The denoiser's AdaLN, (1 + scale) LayerNorm(h) + shift (CPU kernel only; see csrc/ada_layer_norm/):
+  // (y, per-row mean, per-row rstd), the last two float32 (B, M) for the backward.
+  m.def("ada_layer_norm(Tensor h, Tensor scale, Tensor shift, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "ada_layer_norm_backward(Tensor grad, Tensor h, Tensor scale, Tensor mean, Tensor rstd) "
+      "-> (Tensor, Tensor, Tensor)");
 }

@@ -1,6 +1,8 @@
 // The per-element formulas of noise_embeddings and ddim_teacher_step (VQ-LCMD.md
-// training steps 2 and 3) on hand-computed values, and gelu_tanh's sigmoid form
-// against the tanh form it rewrites.
+// training steps 2 and 3) on hand-computed values, gelu_tanh's sigmoid form
+// against the tanh form it rewrites, and ada_layer_norm's row math against
+// hand-computed moments and finite differences.
+#include "ada_layer_norm/ada_layer_norm.h"
 #include "check.h"
 #include "ddim_teacher_step/ddim_teacher_step.h"
 #include "gelu_tanh/gelu_tanh.h"
@@ -37,5 +39,48 @@ int main() {
   CHECK_NEAR(gelu_tanh_grad(0.0f), 0.5, 1e-7);
   CHECK(gelu_tanh(-1e4f) == 0.0f && gelu_tanh(1e4f) == 1e4f);  // saturated tails, no NaN
   CHECK(gelu_tanh_grad(-1e4f) == 0.0f && gelu_tanh_grad(1e4f) == 1.0f);
+
+  // ada_layer_norm: x = 1..4 has mean 2.5 and biased variance 1.25
+  {
+    const float x[4] = {1, 2, 3, 4}, a[4] = {0, 1, -0.5f, 2}, b[4] = {0, 1, 0.25f, -1};
+    float y[4];
+    const RowMoments m = ada_ln_row_forward(x, a, b, y, 4, 0.0f);
+    CHECK_NEAR(m.mean, 2.5, 1e-7);
+    CHECK_NEAR(m.rstd, 1.0 / std::sqrt(1.25), 1e-6);
+    for (int j = 0; j < 4; ++j) CHECK_NEAR(y[j], (1 + a[j]) * (x[j] - 2.5) / std::sqrt(1.25) + b[j], 1e-6);
+    // gradients of L = sum_j c_j y_j against central differences of the double formula
+    const double c[4] = {0.3, -1.2, 0.7, 2.0};
+    const auto loss = [&](const double* xs, const double* as, const double* bs) {
+      double mean = 0, var = 0, l = 0;
+      for (int j = 0; j < 4; ++j) mean += xs[j] / 4;
+      for (int j = 0; j < 4; ++j) var += (xs[j] - mean) * (xs[j] - mean) / 4;
+      for (int j = 0; j < 4; ++j) l += c[j] * ((1 + as[j]) * (xs[j] - mean) / std::sqrt(var + 1e-5) + bs[j]);
+      return l;
+    };
+    const float g[4] = {0.3f, -1.2f, 0.7f, 2.0f};
+    float dh[4], da[4] = {0, 0, 0, 0}, db[4] = {0, 0, 0, 0};
+    const RowMoments m5 = ada_ln_moments(x, 4, 1e-5f);
+    ada_ln_row_backward(g, x, a, m5, dh, da, db, 4);
+    for (int j = 0; j < 4; ++j) {
+      double xs[4], as[4], bs[4];
+      for (int k = 0; k < 4; ++k) xs[k] = x[k], as[k] = a[k], bs[k] = b[k];
+      const double eps = 1e-5;
+      xs[j] += eps;
+      double up = loss(xs, as, bs);
+      xs[j] -= 2 * eps;
+      CHECK_NEAR(dh[j], (up - loss(xs, as, bs)) / (2 * eps), 1e-4);
+      xs[j] += eps;
+      as[j] += eps;
+      up = loss(xs, as, bs);
+      as[j] -= 2 * eps;
+      CHECK_NEAR(da[j], (up - loss(xs, as, bs)) / (2 * eps), 1e-4);
+      as[j] += eps;
+      CHECK_NEAR(db[j], c[j], 1e-6);
+    }
+    // a constant row normalises to 0 (eps keeps rstd finite): y = b, and no gradient reaches h
+    const float flat[4] = {3, 3, 3, 3};
+    ada_ln_row_forward(flat, a, b, y, 4, 1e-5f);
+    for (int j = 0; j < 4; ++j) CHECK_NEAR(y[j], b[j], 0.0);
+  }
   return g_failures;
 }

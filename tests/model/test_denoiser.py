@@ -101,3 +101,21 @@ def test_activation_switch_is_the_named_gelu(gen):
     assert build_denoiser("tiny").blocks[0].mlp[1].activation == "gelu_tanh"
     with pytest.raises(ValueError, match="activation must be one of"):
         build_denoiser("tiny", activation="relu")
+
+
+def test_adaln_is_the_modulated_layernorm(gen):
+    """AdaLayerNorm (the fused ``ops.ada_layer_norm`` on CPU) equals (1 + a) LayerNorm(h) + b with
+    (a, b) = to_ab(cond), values and gradients of h, cond and the to_ab weights."""
+    norm = build_denoiser("tiny").blocks[0].norm1
+    torch.nn.init.normal_(norm.to_ab.weight, std=0.5, generator=gen)
+    h = torch.randn(3, 16, 32, generator=gen, requires_grad=True)
+    cond = torch.randn(3, 32, generator=gen, requires_grad=True)
+    upstream = torch.randn(3, 16, 32, generator=gen)
+    y = norm(h, cond)
+    grads = torch.autograd.grad(y, (h, cond, norm.to_ab.weight), upstream)
+    a, b = norm.to_ab(cond).unsqueeze(1).chunk(2, dim=-1)
+    want = (1 + a) * torch.nn.functional.layer_norm(h, (32,)) + b
+    want_grads = torch.autograd.grad(want, (h, cond, norm.to_ab.weight), upstream)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -416,3 +416,99 @@ def test_gelu_tanh_opcheck_and_compile(gen):
     (2 * ops.gelu_tanh(x2, backend="reference")).sum().backward()
     torch.testing.assert_close(y, 2 * ops.gelu_tanh(x, backend="reference"))
     torch.testing.assert_close(xr.grad, x2.grad)
+
+
+# ---- ada_layer_norm ----------------------------------------------------------------------------
+
+def _ada_float64(h, scale, shift, upstream, eps=1e-5):
+    """(1 + scale) LayerNorm(h) + shift and its gradients, in float64 from the formula itself."""
+    h64, a64, b64 = (x.detach().double().requires_grad_() for x in (h, scale, shift))
+    mean = h64.mean(-1, keepdim=True)
+    var = ((h64 - mean) ** 2).mean(-1, keepdim=True)
+    y = (1 + a64[:, None]) * (h64 - mean) / torch.sqrt(var + eps) + b64[:, None]
+    grads = torch.autograd.grad(y, (h64, a64, b64), upstream.double())
+    return y.detach(), grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 128), (1, 1, 7), (3, 5, 1000), (4, 2, 1), (5, 64, 48)])
+def test_ada_layer_norm_matches_float64(shape, dtype, gen):
+    """Values and all three gradients (non-unit upstream) of both backends against the float64 formula;
+    odd widths leave a scalar tail after the vector loop, W = 1 normalises to 0."""
+    B, M, W = shape
+    h = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)
+    scale = (torch.randn(B, W, generator=gen) * 0.5).to(dtype)
+    shift = torch.randn(B, W, generator=gen).to(dtype)
+    upstream = torch.randn(shape, generator=gen).to(dtype)
+    y64, g64 = _ada_float64(h, scale, shift, upstream)
+    for backend in ("compiled", "reference"):
+        inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
+        y = ops.ada_layer_norm(*inputs, backend=backend)
+        grads = torch.autograd.grad(y, inputs, upstream)
+        assert y.dtype == dtype and all(g.dtype == dtype for g in grads)
+        close(y, y64, dtype, scale=4.0)
+        close(grads[0], g64[0], dtype, scale=8.0)
+        # d scale and d shift sum M rows: their rounding grows with M
+        close(grads[1], g64[1], dtype, scale=8.0 * M)
+        close(grads[2], g64[2], dtype, scale=8.0 * M)
+
+
+def test_ada_layer_norm_rows_far_from_zero(gen):
+    """Two-pass moments: rows with a mean of 1000 and unit spread normalise as accurately as
+    PyTorch's LayerNorm does (a one-pass E[x^2] - E[x]^2 would lose every digit of the variance)."""
+    h = 1000 + torch.randn(4, 16, 128, generator=gen)
+    scale, shift = torch.zeros(4, 128), torch.zeros(4, 128)
+    y64, _ = _ada_float64(h, scale, shift, torch.ones_like(h))
+    err = (ops.ada_layer_norm(h, scale, shift, backend="compiled").double() - y64).abs().max()
+    err_ref = (ops.ada_layer_norm(h, scale, shift, backend="reference").double() - y64).abs().max()
+    assert err < max(2 * err_ref, 1e-4), (err, err_ref)
+
+
+def test_ada_layer_norm_noncontiguous_empty_errors_and_dispatch(gen):
+    h = torch.randn(3, 40, 9, generator=gen).transpose(1, 2)  # (3, 9, 40), non-contiguous
+    ab = torch.randn(3, 80, generator=gen)
+    scale, shift = ab.chunk(2, dim=-1)  # the denoiser's strided (B, W) views
+    upstream = torch.randn(3, 9, 40, generator=gen)
+    out = {}
+    for backend in ("compiled", "reference"):
+        inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
+        y = ops.ada_layer_norm(*inputs, backend=backend)
+        out[backend] = (y, *torch.autograd.grad(y, inputs, upstream))
+    for a, b in zip(out["compiled"], out["reference"]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    for shape in ((0, 3, 8), (2, 0, 8)):
+        e = torch.empty(shape, requires_grad=True)
+        s = torch.zeros(shape[0], 8, requires_grad=True)
+        y = ops.ada_layer_norm(e, s, s, backend="compiled")
+        assert y.shape == shape
+        y.sum().backward()
+        assert torch.equal(s.grad, torch.zeros_like(s))
+    assert ops._dispatch.resolve("ada_layer_norm", "auto", h, scale, shift) is _compiled.ada_layer_norm
+    assert ops._dispatch.resolve("ada_layer_norm", "auto", h.double(), scale, shift) is not _compiled.ada_layer_norm
+    assert "CPU kernel only" in _compiled._ada_unsupported(*(torch.empty(1, 1, 1, device="meta"),) * 3)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        ops.ada_layer_norm(h, scale[:, :5], shift)
+    with pytest.raises(ValueError, match=r"h must be \(B, M, W\)"):
+        ops.ada_layer_norm(h[0], scale, shift)
+    with pytest.raises(ValueError, match="eps"):
+        ops.ada_layer_norm(h, scale, shift, eps=0.0)
+
+
+def test_ada_layer_norm_opcheck_and_compile(gen):
+    h, scale, shift = torch.randn(2, 5, 37, generator=gen), torch.randn(2, 37, generator=gen), torch.randn(
+        2, 37, generator=gen)
+    torch.library.opcheck(torch.ops.vqlcmd.ada_layer_norm.default,
+                          (h.clone().requires_grad_(), scale.clone().requires_grad_(), shift.clone(), 1e-5))
+    _, mean, rstd = torch.ops.vqlcmd.ada_layer_norm(h, scale, shift, 1e-5)
+    torch.library.opcheck(torch.ops.vqlcmd.ada_layer_norm_backward.default,
+                          (torch.randn_like(h), h, scale, mean, rstd))
+    fn = torch.compile(lambda x, a, b: ops.ada_layer_norm(x, a, b) * 2, fullgraph=True, backend="aot_eager")
+    inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
+    y = fn(*inputs)
+    y.sum().backward()
+    ref_inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
+    y_ref = 2 * ops.ada_layer_norm(*ref_inputs, backend="reference")
+    y_ref.sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(inputs, ref_inputs):
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=1e-5)

@@ -25,10 +25,11 @@ __all__ = [
     "noise_embeddings",
     "ddim_teacher_step",
     "gelu_tanh",
+    "ada_layer_norm",
 ]
 
 OPS = ("softmax_embedding_average", "guided_embedding_average", "categorical_kl", "noise_embeddings",
-       "ddim_teacher_step", "gelu_tanh")
+       "ddim_teacher_step", "gelu_tanh", "ada_layer_norm")
 for _op in OPS:
     register(_op, "reference", getattr(reference, _op), priority=lambda device: -1)
 
@@ -132,6 +133,19 @@ def gelu_tanh(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"gelu_tanh takes a floating-point tensor, got {x.dtype}")
     return resolve("gelu_tanh", backend, x)(x)
+
+
+def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *, eps: float = 1e-5,
+                   backend: str = "auto") -> torch.Tensor:
+    """``(1 + scale) · LayerNorm(h) + shift``, the denoiser's adaptive LayerNorm (AdaLN).
+
+    h (B, M, W); scale and shift (B, W), one modulation per image; LayerNorm over W without affine
+    parameters (``F.layer_norm(h, (W,), eps=eps)``). Differentiable in all three inputs. Not a
+    VQ-LCMD op: the compiled backend exists because PyTorch's CPU LayerNorm is slow at small widths
+    (csrc/ada_layer_norm).
+    """
+    _checks.check_ada_layer_norm_inputs(h, scale, shift, eps)
+    return resolve("ada_layer_norm", backend, h, scale, shift)(h, scale, shift, eps)
 
 
 def _register_optional_backends() -> None:

@@ -118,3 +118,16 @@ def check_ddim_inputs(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s) ->
         check_per_batch(name, x, B)
     check_same_device(tokens=tokens, table=table, z_t=z_t, alpha_t=alpha_t, sigma_t=sigma_t,
                       alpha_s=alpha_s, sigma_s=sigma_s)
+
+
+def check_ada_layer_norm_inputs(h, scale, shift, eps) -> None:
+    check_float("h", h)
+    if h.dim() != 3:
+        raise ValueError(f"h must be (B, M, W), got shape {tuple(h.shape)}")
+    B, _, W = h.shape
+    for name, x in (("scale", scale), ("shift", shift)):
+        check_float(name, x)
+        check_shape(name, x, (B, W))
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    check_same_device(h=h, scale=scale, shift=shift)

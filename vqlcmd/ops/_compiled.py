@@ -191,6 +191,32 @@ def _gelu_unsupported(x: torch.Tensor) -> Optional[str]:
     return unsupported(x)
 
 
+# ---- ada_layer_norm --------------------------------------------------------------------------
+
+def ada_layer_norm(h, scale, shift, eps):
+    return torch.ops.vqlcmd.ada_layer_norm(h, scale, shift, eps)[0]
+
+
+def _ada_setup_context(ctx, inputs, output):
+    h, scale, shift, _eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(h, scale, mean, rstd)
+    ctx.shift_dtype = shift.dtype
+
+
+def _ada_backward(ctx, grad, _grad_mean, _grad_rstd):
+    h, scale, mean, rstd = ctx.saved_tensors
+    dh, dscale, dshift = torch.ops.vqlcmd.ada_layer_norm_backward(grad, h, scale, mean, rstd)
+    return dh, dscale, dshift.to(ctx.shift_dtype), None
+
+
+def _ada_unsupported(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> Optional[str]:
+    if h.device.type != "cpu":
+        return ("ada_layer_norm has a CPU kernel only: on GPUs PyTorch's LayerNorm and the two broadcast ops "
+                "are memory-bound passes already (the reference serves it)")
+    return unsupported(h, scale, shift)
+
+
 # ---- torch.library: fake implementations and autograd ------------------------------------------
 
 def _register_library() -> None:
@@ -225,6 +251,17 @@ def _register_library() -> None:
     def _(grad, x):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake(lib + "ada_layer_norm")
+    def _(h, scale, shift, eps):
+        stats = h.new_empty(h.shape[:2], dtype=torch.float32)
+        return torch.empty_like(h, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+    @torch.library.register_fake(lib + "ada_layer_norm_backward")
+    def _(grad, h, scale, mean, rstd):
+        return (torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(scale),
+                torch.empty_like(scale))
+
+    torch.library.register_autograd(lib + "ada_layer_norm", _ada_backward, setup_context=_ada_setup_context)
     torch.library.register_autograd(lib + "gelu_tanh", _gelu_backward, setup_context=_gelu_setup_context)
     torch.library.register_autograd(lib + "noise_embeddings", _noise_backward, setup_context=_noise_setup_context)
     torch.library.register_autograd(lib + "categorical_kl", _kl_backward, setup_context=_kl_setup_context)
@@ -237,4 +274,6 @@ for _op, _fn in (("noise_embeddings", noise_embeddings), ("ddim_teacher_step", d
                  ("categorical_kl", categorical_kl)):
     register(_op, "compiled", _fn, unavailable=unavailable, unsupported=unsupported, priority=_priority)
 register("gelu_tanh", "compiled", gelu_tanh, unavailable=unavailable, unsupported=_gelu_unsupported,
+         priority=_priority)
+register("ada_layer_norm", "compiled", ada_layer_norm, unavailable=unavailable, unsupported=_ada_unsupported,
          priority=_priority)

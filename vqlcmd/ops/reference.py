@@ -24,6 +24,11 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    n = F.layer_norm(h, (h.shape[-1],), eps=eps)  # (B, M, W)
+    return (1 + scale[:, None]) * n + shift[:, None]
+
+
 def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     dt = math_dtype(logits, table)
     probs = torch.softmax(logits.to(dt), dim=-1)  # (..., K)
