@@ -27,6 +27,7 @@ from . import checkpoint as ckpt
 from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import resolve_shards
 from .distributed import any_rank, barrier, init_distributed
+from .host_memory import keep_freed_memory
 from .optim import build_optimizer, build_scheduler
 
 
@@ -68,6 +69,8 @@ class Trainer:
             resolve_shards(cfg.data, rank=0)
         self.rank, self.world, self.local_rank, self.device = init_distributed()
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        if self.device.type == "cpu":  # before the tokenizer and the model allocate anything large
+            self.log(keep_freed_memory())
         self.out_dir = repo_path(cfg.train.output_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
 
