@@ -36,7 +36,8 @@ class DenoiserConfig:
     attn_dropout: float = 0.1
     time_features: int = 256
     attention_backend: str = "auto"
-    # "torch": nn.LayerNorm; "apex": NVIDIA apex's FusedLayerNorm (optional install, not on the package index)
+    # "torch": nn.LayerNorm, run with the AdaLN modulation as one op (vqlcmd.ops.ada_layer_norm, a C++
+    # kernel on CPU); "apex": NVIDIA apex's FusedLayerNorm (optional install, not on the package index)
     norm_impl: str = "torch"
     # MLP nonlinearity: "gelu_tanh" (DiT's choice; configs saved before this field existed used it) or
     # "gelu" (exact, erf). The paper does not say. On CPUs PyTorch's tanh form is ~2.5x slower than
