@@ -1,6 +1,5 @@
 """The CPU engine's malloc settings (vqlcmd/engine/host_memory.py), each case in a fresh process:
 mallopt is process-wide."""
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ if sys.argv[1] == "1":
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():  # a training step's worth of 9 MiB activations alive at once, then freed
-    xs = [torch.ones(9 << 18) for _ in range(6)]
+    xs = [torch.ones(9 << 18) for _ in range(12)]
     del xs
 step(); step()
 f0 = faults()
@@ -26,25 +25,35 @@ print((faults() - f0) / 5)
 """
 
 
-def _faults_per_step(tuned: bool, env=None) -> tuple[float, str]:
+def _faults_per_step(tuned: bool) -> tuple[float, str]:
     out = subprocess.run([sys.executable, "-c", STEP, "1" if tuned else "0"], capture_output=True, text=True,
-                         check=True, env=env).stdout.split("\n")
+                         check=True).stdout.split("\n")
     lines = [line for line in out if line]
     return float(lines[-1]), (lines[0] if tuned else "")
 
 
+PAGES_PER_STEP = 12 * (9 << 20) // 4096  # what a step touches: 27,648 pages of 4 KiB (108 MiB)
+
+
 def test_freed_activation_memory_is_reused_without_page_faults():
-    """Without the settings, glibc returns the freed heap top to the OS and every step faults its
-    ~14k pages (54 MiB / 4 KiB) back in; with them, the pages stay and a step faults (almost) none."""
+    """With the settings, a step re-uses the pages the last step freed: (almost) no page faults. Without
+    them, how many pages glibc hands back to the OS depends on the process's allocation history (its
+    thresholds adapt), so that figure is printed, not asserted: a fresh process faults them all."""
     default, _ = _faults_per_step(False)
     tuned, message = _faults_per_step(True)
+    print(f"page faults per step: {default:.0f} default, {tuned:.0f} tuned (of {PAGES_PER_STEP} pages touched)")
     assert "keeps freed blocks up to 32 MiB" in message
-    assert default > 5000, default  # the problem is real on this libc
-    assert tuned < 0.05 * default, (tuned, default)
+    assert tuned < 0.05 * PAGES_PER_STEP, tuned
 
 
-def test_switch_leaves_malloc_alone():
-    env = {**os.environ, "VQLCMD_MALLOC_TUNING": "0"}
-    faults, message = _faults_per_step(True, env=env)
-    assert "left alone" in message
-    assert faults > 5000
+def test_switch_leaves_malloc_alone(monkeypatch):
+    import ctypes
+
+    from vqlcmd.engine import host_memory
+
+    def no_libc(*_args, **_kwargs):
+        raise AssertionError("VQLCMD_MALLOC_TUNING=0 must not touch libc")
+
+    monkeypatch.setenv("VQLCMD_MALLOC_TUNING", "0")
+    monkeypatch.setattr(ctypes, "CDLL", no_libc)
+    assert "left alone" in host_memory.keep_freed_memory()
