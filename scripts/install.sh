@@ -6,9 +6,9 @@ cd "$(dirname "$0")/.."
 # nvcc on PATH may be a wrapper script, from which torch guesses a wrong CUDA_HOME.
 if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
 PIP="python -m pip install --disable-pip-version-check -q"
-# torch first: the extension's build imports it (--no-build-isolation keeps one torch).
-$PIP "torch==2.14.1" "torchvision==0.29.1" setuptools wheel ninja pybind11
-$PIP -r requirements.txt
+# torch and the requirements in one resolver run (one pip start-up less), then the project:
+# its build imports torch (--no-build-isolation keeps one torch).
+$PIP "torch==2.14.1" "torchvision==0.29.1" setuptools wheel ninja pybind11 -r requirements.txt
 $PIP --no-build-isolation --no-deps -e .
 # Say which kernels the build produced (CPU only, or CPU + CUDA for which architectures).
 python -c "from vqlcmd.ops import _compiled; print(_compiled.describe())"

@@ -61,3 +61,11 @@ def test_cli_reports_config_errors(tmp_path, tiny_shards, make_config):
 
     wrong_preset = _run_train(cfg, "--set", "model.preset=digits-1m")
     assert wrong_preset.returncode == 2 and "codebook_size=128" in wrong_preset.stderr
+
+
+def test_sample_steps_must_be_positive_integers():
+    with pytest.raises(ConfigError, match="grid_steps must be a positive integer"):
+        parse_vqlcmd_section({"sample": {"grid_steps": 0}})
+    with pytest.raises(ConfigError, match="num_steps must be a positive integer"):
+        parse_vqlcmd_section({"sample": {"num_steps": "50"}})
+    assert parse_vqlcmd_section({"sample": {"grid_steps": 10}}).sample.grid_steps == 10

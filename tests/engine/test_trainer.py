@@ -73,3 +73,21 @@ def test_non_finite_loss_stops_with_step_and_term(tmp_path, tiny_shards, trainer
     with pytest.raises(NonFiniteLossError, match=r"step 1: term\(s\) .*loss"):
         tr.train(progress=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_interval_grids_use_grid_steps(tmp_path, tiny_shards, trainer, monkeypatch):
+    """Grids saved during training sample with sample.grid_steps (a cheap preview); unset, num_steps."""
+    tr = trainer(tmp_path, tiny_shards, steps=2)
+    calls = []
+
+    class RecordingPipeline:
+        def __call__(self, labels, *, output_type, generator, num_steps):
+            calls.append(num_steps)
+            return torch.zeros(len(labels), 1, 8, 8)
+
+    tr.tokenizer_dir = tmp_path  # grids are only drawn when images can be decoded
+    monkeypatch.setattr(tr, "pipeline", RecordingPipeline)
+    assert tr.save_sample_grid().exists()
+    tr.cfg.sample.grid_steps = 3
+    tr.save_sample_grid()
+    assert calls == [tr.cfg.sample.num_steps, 3]

@@ -92,6 +92,15 @@ class SampleSection:
     sampler: str = "ancestral"
     per_class: int = 10  # images per class in the sample grid
     final: str = "sample"
+    # Sampling steps of the grids saved during training (progress previews); None = num_steps. The
+    # end-of-run grid and evaluation always use num_steps.
+    grid_steps: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("num_steps", "grid_steps", "per_class"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass

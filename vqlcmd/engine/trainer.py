@@ -272,11 +272,12 @@ class Trainer:
         s = self.cfg.sample
         C = self.net.config.num_classes
         g = torch.Generator(device=self.device).manual_seed(1234)
+        steps = s.grid_steps or s.num_steps
         if C > 0:
             labels = torch.arange(C).repeat_interleave(s.per_class)
-            images = pipe(labels, output_type="pt", generator=g)
+            images = pipe(labels, output_type="pt", generator=g, num_steps=steps)
         else:
-            images = pipe(num_images=8 * s.per_class, output_type="pt", generator=g)
+            images = pipe(num_images=8 * s.per_class, output_type="pt", generator=g, num_steps=steps)
         path = path or self.out_dir / "samples" / f"{ckpt.tag_for(self.step)}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_image(images, str(path), nrow=s.per_class, padding=1)
@@ -284,7 +285,7 @@ class Trainer:
             from torchvision.utils import make_grid
 
             self.tb.add_image("samples", make_grid(images, nrow=s.per_class), self.step)
-        self.log(f"step {self.step}: sample grid -> {path}")
+        self.log(f"step {self.step}: sample grid ({steps} sampling steps) -> {path}")
         return path
 
     # ---- checkpoints --------------------------------------------------------------------------
