@@ -179,6 +179,12 @@ def main(argv=None) -> int:
     from vqlcmd.pipeline import VQLCMDPipeline, image_generators
 
     rank, world, device = dist_setup(args)
+    if device.type == "cpu":  # each denoiser batch's activations would page-fault in afresh
+        from vqlcmd.engine.host_memory import keep_freed_memory
+
+        msg = keep_freed_memory()
+        if rank == 0:
+            print(msg, file=sys.stderr)
     pipe = VQLCMDPipeline.from_pretrained(args.pipeline, device=device, dtype=getattr(torch, args.dtype))
     d = pipe.sample_defaults
     C = pipe.network.config.num_classes

@@ -42,7 +42,10 @@ def main(argv=None) -> dict:
     import torch
 
     from vqlcmd.data import digits_images, image_batches, list_images, prepare_digits
+    from vqlcmd.engine.host_memory import keep_freed_memory
     from vqlcmd.tokenizer import TrainConfig, small_vqmodel, train_vqmodel
+
+    print(keep_freed_memory(), file=sys.stderr)  # the small tokenizer trains on the CPU
 
     progress = not args.no_progress
     if args.dataset == "digits" and args.out is None:
