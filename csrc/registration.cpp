@@ -30,4 +30,10 @@ TORCH_LIBRARY(vqlcmd, m) {
   m.def(
       "ada_layer_norm_backward(Tensor grad, Tensor h, Tensor scale, Tensor mean, Tensor rstd) "
       "-> (Tensor, Tensor, Tensor)");
+  // Bidirectional softmax(q kᵀ/√d) v for short sequences, q, k, v (B, H, M, hd) (CPU kernel only; see
+  // csrc/attention/): (out, per-row log-sum-exp float32 (B, H, M)) for the backward.
+  m.def("short_attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
+  m.def(
+      "short_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
+      "-> (Tensor, Tensor, Tensor)");
 }

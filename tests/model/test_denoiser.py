@@ -20,11 +20,18 @@ def test_math_attention_is_permutation_equivariant(gen):
     torch.testing.assert_close(out[:, :, perm], out_p, atol=1e-6, rtol=1e-5)
 
 
-def test_auto_uses_sdpa_on_cpu_and_flash_refuses_cpu():
+def test_auto_on_cpu_takes_the_compiled_kernel_without_dropout_and_flash_refuses_cpu():
+    from vqlcmd import ops
+
     q = torch.randn(1, 1, 4, 8)
-    assert attention_backend_for(q, 0.1) == "sdpa"
+    assert attention_backend_for(q, 0.1) == "sdpa"  # the kernel has no dropout
+    built = ops.why_not("short_attention", "compiled", q, q, q) is None
+    assert attention_backend_for(q, 0.0) == ("compiled" if built else "sdpa")
+    assert attention_backend_for(q.double(), 0.0) == "sdpa"
     with pytest.raises(RuntimeError):
         attention(q, q, q, backend="flash2")
+    with pytest.raises(RuntimeError, match="no dropout"):
+        attention(q, q, q, dropout_p=0.1, backend="compiled")
 
 
 def test_forward_shapes_and_dtype(gen):

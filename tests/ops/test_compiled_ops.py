@@ -512,3 +512,92 @@ def test_ada_layer_norm_opcheck_and_compile(gen):
     torch.testing.assert_close(y, y_ref)
     for a, b in zip(inputs, ref_inputs):
         torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=1e-5)
+
+
+# ---- short_attention ---------------------------------------------------------------------------
+
+def _attention_float64(q, k, v, upstream):
+    """softmax(q kᵀ / √hd) v and its three gradients, in float64 from the formula itself."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    p = torch.softmax(q64 @ k64.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+    out = p @ v64
+    return out.detach(), torch.autograd.grad(out, (q64, k64, v64), upstream.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 17, 8), (1, 1, 1, 4), (3, 2, 64, 32), (1, 2, 130, 5), (2, 1, 9, 1)])
+def test_short_attention_matches_float64(shape, dtype, gen):
+    """Values and the gradients of q, k and v (non-unit upstream) against float64; lengths that are
+    not a multiple of the vector width leave scalar tails in the softmax, M = 1 attends to itself."""
+    q, k, v = ((torch.randn(shape, generator=gen) * 1.5).to(dtype) for _ in range(3))
+    upstream = torch.randn(shape, generator=gen).to(dtype)
+    o64, g64 = _attention_float64(q, k, v, upstream)
+    for backend in ("compiled", "reference"):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = ops.short_attention(*inputs, backend=backend)
+        grads = torch.autograd.grad(out, inputs, upstream)
+        assert out.shape == shape and out.dtype == dtype and all(g.dtype == dtype for g in grads)
+        close(out, o64, dtype, scale=4.0)
+        for g, r in zip(grads, g64):
+            close(g, r, dtype, scale=8.0 * math.sqrt(shape[2]))
+
+
+def test_short_attention_takes_the_denoisers_strided_views_and_large_scores(gen):
+    """q, k, v as the denoiser makes them (permuted views of one (B, M, 3, H, hd) projection), scores
+    of a few hundred (the softmax must subtract the row maximum), and the output's (B, M, H, hd)
+    memory, which makes the heads' merge a free view."""
+    B, M, H, hd = 3, 20, 2, 8
+    qkv = (torch.randn(B, M, 3, H, hd, generator=gen) * 6).requires_grad_()
+    upstream = torch.randn(B, H, M, hd, generator=gen)
+    results = {}
+    for backend in ("compiled", "reference"):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        out = ops.short_attention(q, k, v, backend=backend)
+        results[backend] = (out, torch.autograd.grad(out, qkv, upstream)[0])
+    o64, _ = _attention_float64(*qkv.detach().permute(2, 0, 3, 1, 4), upstream)
+    assert torch.isfinite(results["compiled"][0]).all()
+    torch.testing.assert_close(results["compiled"][0].double(), o64, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(results["compiled"][1], results["reference"][1], atol=1e-4, rtol=1e-4)
+    out = results["compiled"][0]
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_short_attention_empty_errors_and_dispatch(gen):
+    for shape in ((0, 2, 5, 4), (2, 0, 5, 4), (2, 2, 0, 4)):
+        q = torch.empty(shape, requires_grad=True)
+        out = ops.short_attention(q, q, q, backend="compiled")
+        assert out.shape == shape
+        out.sum().backward()
+    q = torch.randn(2, 2, 6, 4, generator=gen)
+    assert ops._dispatch.resolve("short_attention", "auto", q, q, q) is _compiled.short_attention
+    assert ops._dispatch.resolve("short_attention", "auto", *(q.double(),) * 3) is not _compiled.short_attention
+    long = torch.empty(1, 1, _compiled.SHORT_ATTENTION_MAX_LEN + 1, 4)
+    assert "up to" in ops.why_not("short_attention", "compiled", long, long, long)
+    assert "CPU kernel only" in _compiled._attn_unsupported(*(torch.empty(1, 1, 1, 1, device="meta"),) * 3)
+    with pytest.raises(ValueError, match=r"q must be \(B, H, M, hd\)"):
+        ops.short_attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="k must have shape"):
+        ops.short_attention(q, q[:, :, :5], q)
+    with pytest.raises(ValueError, match="one dtype"):
+        ops.short_attention(q, q.half(), q)
+    with pytest.raises(RuntimeError, match="up to"):
+        ops.short_attention(long, long, long, backend="compiled")
+
+
+def test_short_attention_opcheck_and_compile(gen):
+    q, k, v = (torch.randn(2, 3, 11, 6, generator=gen) for _ in range(3))
+    torch.library.opcheck(torch.ops.vqlcmd.short_attention.default,
+                          (q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()))
+    out, lse = torch.ops.vqlcmd.short_attention(q, k, v)
+    torch.library.opcheck(torch.ops.vqlcmd.short_attention_backward.default,
+                          (torch.randn_like(q), q, k, v, out, lse))
+    fn = torch.compile(lambda a, b, c: ops.short_attention(a, b, c) * 2, fullgraph=True, backend="aot_eager")
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    y = fn(*inputs)
+    y.sum().backward()
+    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    y_ref = 2 * ops.short_attention(*ref_inputs, backend="reference")
+    y_ref.sum().backward()
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(inputs, ref_inputs):
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=1e-5)

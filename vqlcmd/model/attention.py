@@ -1,8 +1,9 @@
 """One attention function with a fast path and plain paths side by side (nanoGPT habit).
 
 Order under ``backend="auto"``: FlashAttention-3 (``flash_attn_interface``), then
-FlashAttention-2 (``flash_attn``), for CUDA fp16/bf16 inputs; then PyTorch SDPA
-(which itself picks flash / memory-efficient / math kernels); ``"math"`` is the
+FlashAttention-2 (``flash_attn``), for CUDA fp16/bf16 inputs; on CPU without dropout, the
+extension's short-sequence kernel (``"compiled"``, ``vqlcmd.ops.short_attention``); then
+PyTorch SDPA (which itself picks flash / memory-efficient / math kernels); ``"math"`` is the
 explicit softmax(QKᵀ/√d)V, kept as the readable definition the others are tested against.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ try:  # FlashAttention-2
 except ImportError:
     _fa2_func = None
 
-ATTENTION_BACKENDS = ("auto", "flash3", "flash2", "sdpa", "math")
+ATTENTION_BACKENDS = ("auto", "flash3", "flash2", "compiled", "sdpa", "math")
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
@@ -36,7 +37,16 @@ def attention_backend_for(q: torch.Tensor, dropout_p: float) -> str:
             return "flash3"
         if _fa2_func is not None:
             return "flash2"
+    if dropout_p == 0.0 and _compiled_why_not(q) is None:
+        return "compiled"
     return "sdpa"
+
+
+def _compiled_why_not(q: torch.Tensor):
+    """Why the CPU short-sequence kernel cannot take q, k, v shaped like ``q`` (None: it can)."""
+    from .. import ops
+
+    return ops.why_not("short_attention", "compiled", q, q, q)
 
 
 def math_attention(q, k, v, dropout_p: float = 0.0, generator: Optional[torch.Generator] = None):
@@ -72,6 +82,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
         else:
             out = fn(qt, kt, vt, dropout_p=dropout_p, causal=False)
         return out.transpose(1, 2)
+    if backend == "compiled":
+        if dropout_p:
+            raise RuntimeError("the compiled attention kernel has no dropout; use backend='sdpa'")
+        from .. import ops
+
+        return ops.short_attention(q, k, v, backend="compiled")
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=False)
     return math_attention(q, k, v, dropout_p)

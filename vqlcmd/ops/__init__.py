@@ -26,10 +26,12 @@ __all__ = [
     "ddim_teacher_step",
     "gelu_tanh",
     "ada_layer_norm",
+    "short_attention",
 ]
 
 OPS = ("softmax_embedding_average", "guided_embedding_average", "categorical_kl", "noise_embeddings",
-       "ddim_teacher_step", "gelu_tanh", "ada_layer_norm")
+       "ddim_teacher_step", "gelu_tanh", "ada_layer_norm",
+       "short_attention")
 for _op in OPS:
     register(_op, "reference", getattr(reference, _op), priority=lambda device: -1)
 
@@ -146,6 +148,18 @@ def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
     """
     _checks.check_ada_layer_norm_inputs(h, scale, shift, eps)
     return resolve("ada_layer_norm", backend, h, scale, shift)(h, scale, shift, eps)
+
+
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Bidirectional multi-head attention ``softmax(q kᵀ / √hd) v`` for short sequences.
+
+    q, k, v (B, H, M, hd), one shape and dtype -> (B, H, M, hd); differentiable in all three; float32
+    math. Not a VQ-LCMD op: the compiled backend is a CPU kernel for the sequence lengths of small
+    token grids (M up to 1024), where PyTorch's CPU flash attention spends more on blocking than on
+    the products (csrc/attention). The denoiser reaches it through ``vqlcmd.model.attention``.
+    """
+    _checks.check_attention_inputs(q, k, v)
+    return resolve("short_attention", backend, q, k, v)(q, k, v)
 
 
 def _register_optional_backends() -> None:

@@ -131,3 +131,15 @@ def check_ada_layer_norm_inputs(h, scale, shift, eps) -> None:
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     check_same_device(h=h, scale=scale, shift=shift)
+
+
+def check_attention_inputs(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float(name, x)
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, H, M, hd), got shape {tuple(q.shape)}")
+    check_shape("k", k, tuple(q.shape))
+    check_shape("v", v, tuple(q.shape))
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_same_device(q=q, k=k, v=v)

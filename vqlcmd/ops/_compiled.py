@@ -217,6 +217,39 @@ def _ada_unsupported(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) 
     return unsupported(h, scale, shift)
 
 
+# ---- short_attention -------------------------------------------------------------------------
+
+SHORT_ATTENTION_MAX_LEN = 1024  # csrc/attention: kMaxLen
+
+
+def short_attention(q, k, v):
+    return torch.ops.vqlcmd.short_attention(q, k, v)[0]
+
+
+def _attn_setup_context(ctx, inputs, output):
+    q, k, v = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _attn_backward(ctx, grad, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return torch.ops.vqlcmd.short_attention_backward(grad, q, k, v, out, lse)
+
+
+def _attn_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    if q.device.type != "cpu":
+        return "short_attention has a CPU kernel only (GPUs have FlashAttention and SDPA; the reference serves it)"
+    if q.shape[2] > SHORT_ATTENTION_MAX_LEN:
+        return f"short_attention's kernel takes up to {SHORT_ATTENTION_MAX_LEN} tokens, got {q.shape[2]}"
+    return unsupported(q, k, v)
+
+
+def _blhd_empty(x: torch.Tensor) -> torch.Tensor:
+    B, H, M, hd = x.shape
+    return x.new_empty((B, M, H, hd)).permute(0, 2, 1, 3)
+
+
 # ---- torch.library: fake implementations and autograd ------------------------------------------
 
 def _register_library() -> None:
@@ -261,6 +294,15 @@ def _register_library() -> None:
         return (torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(scale),
                 torch.empty_like(scale))
 
+    @torch.library.register_fake(lib + "short_attention")
+    def _(q, k, v):
+        return _blhd_empty(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "short_attention_backward")
+    def _(grad, q, k, v, out, lse):
+        return _blhd_empty(q), _blhd_empty(q), _blhd_empty(q)
+
+    torch.library.register_autograd(lib + "short_attention", _attn_backward, setup_context=_attn_setup_context)
     torch.library.register_autograd(lib + "ada_layer_norm", _ada_backward, setup_context=_ada_setup_context)
     torch.library.register_autograd(lib + "gelu_tanh", _gelu_backward, setup_context=_gelu_setup_context)
     torch.library.register_autograd(lib + "noise_embeddings", _noise_backward, setup_context=_noise_setup_context)
@@ -276,4 +318,6 @@ for _op, _fn in (("noise_embeddings", noise_embeddings), ("ddim_teacher_step", d
 register("gelu_tanh", "compiled", gelu_tanh, unavailable=unavailable, unsupported=_gelu_unsupported,
          priority=_priority)
 register("ada_layer_norm", "compiled", ada_layer_norm, unavailable=unavailable, unsupported=_ada_unsupported,
+         priority=_priority)
+register("short_attention", "compiled", short_attention, unavailable=unavailable, unsupported=_attn_unsupported,
          priority=_priority)

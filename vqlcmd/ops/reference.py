@@ -29,6 +29,13 @@ def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, ep
     return (1 + scale[:, None]) * n + shift[:, None]
 
 
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d) v, float32 math; q, k, v (B, H, M, hd)."""
+    dt = math_dtype(q, k, v)
+    scores = q.to(dt) @ k.to(dt).transpose(-2, -1) / q.shape[-1] ** 0.5  # (B, H, M, M)
+    return (torch.softmax(scores, dim=-1) @ v.to(dt)).to(q.dtype)
+
+
 def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     dt = math_dtype(logits, table)
     probs = torch.softmax(logits.to(dt), dim=-1)  # (..., K)
