@@ -51,7 +51,8 @@ def _backends(ctx: Context, out: list) -> dict:
     if not ctx.is_cuda:
         from vqlcmd import ops
 
-        why = ops.why_not("short_attention", "compiled", torch.empty(1, 1, 1, 8))
+        probe = torch.empty(1, 1, 1, 8)
+        why = ops.why_not("short_attention", "compiled", probe, probe, probe)
         if why is None:
             backends["compiled"] = ("compiled", contextlib.nullcontext)
         else:
