@@ -37,7 +37,7 @@ def attention_backend_for(q: torch.Tensor, dropout_p: float) -> str:
             return "flash3"
         if _fa2_func is not None:
             return "flash2"
-    if dropout_p == 0.0 and _compiled_why_not(q) is None:
+    if dropout_p == 0.0 and q.device.type == "cpu" and _compiled_why_not(q) is None:
         return "compiled"
     return "sdpa"
 
