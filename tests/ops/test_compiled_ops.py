@@ -26,6 +26,21 @@ def close(actual, expected, dtype, scale=1.0):
     torch.testing.assert_close(actual.float(), expected.float(), **tol)
 
 
+def assert_compiled_graph_matches_reference(op, tensors, value_tol=None, grad_tol=None):
+    """``2 * op(*tensors)`` under torch.compile (fullgraph, aot_eager: the fake and autograd
+    registrations) gives the reference backend's values and input gradients."""
+    fn = torch.compile(lambda *xs: op(*xs) * 2, fullgraph=True, backend="aot_eager")
+    inputs = [x.clone().requires_grad_() for x in tensors]
+    y = fn(*inputs)
+    y.sum().backward()
+    ref_inputs = [x.clone().requires_grad_() for x in tensors]
+    y_ref = 2 * op(*ref_inputs, backend="reference")
+    y_ref.sum().backward()
+    torch.testing.assert_close(y, y_ref, **(value_tol or {}))
+    for a, b in zip(inputs, ref_inputs):
+        torch.testing.assert_close(a.grad, b.grad, **(grad_tol or {}))
+
+
 def test_backend_is_registered_and_reports_build():
     for op in ("noise_embeddings", "ddim_teacher_step", "categorical_kl"):
         assert "compiled" in ops.available_backends(op)
@@ -408,14 +423,7 @@ def test_gelu_tanh_opcheck_and_compile(gen):
     x = torch.randn(3, 37, generator=gen)
     torch.library.opcheck(torch.ops.vqlcmd.gelu_tanh.default, (x.clone().requires_grad_(),))
     torch.library.opcheck(torch.ops.vqlcmd.gelu_tanh_backward.default, (torch.randn_like(x), x))
-    fn = torch.compile(lambda t: ops.gelu_tanh(t) * 2, fullgraph=True, backend="aot_eager")
-    xr = x.clone().requires_grad_()
-    y = fn(xr)
-    y.sum().backward()
-    x2 = x.clone().requires_grad_()
-    (2 * ops.gelu_tanh(x2, backend="reference")).sum().backward()
-    torch.testing.assert_close(y, 2 * ops.gelu_tanh(x, backend="reference"))
-    torch.testing.assert_close(xr.grad, x2.grad)
+    assert_compiled_graph_matches_reference(ops.gelu_tanh, (x,))
 
 
 # ---- ada_layer_norm ----------------------------------------------------------------------------
@@ -502,16 +510,8 @@ def test_ada_layer_norm_opcheck_and_compile(gen):
     _, mean, rstd = torch.ops.vqlcmd.ada_layer_norm(h, scale, shift, 1e-5)
     torch.library.opcheck(torch.ops.vqlcmd.ada_layer_norm_backward.default,
                           (torch.randn_like(h), h, scale, mean, rstd))
-    fn = torch.compile(lambda x, a, b: ops.ada_layer_norm(x, a, b) * 2, fullgraph=True, backend="aot_eager")
-    inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
-    y = fn(*inputs)
-    y.sum().backward()
-    ref_inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
-    y_ref = 2 * ops.ada_layer_norm(*ref_inputs, backend="reference")
-    y_ref.sum().backward()
-    torch.testing.assert_close(y, y_ref)
-    for a, b in zip(inputs, ref_inputs):
-        torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=1e-5)
+    assert_compiled_graph_matches_reference(ops.ada_layer_norm, (h, scale, shift),
+                                            grad_tol=dict(atol=2e-5, rtol=1e-5))
 
 
 # ---- short_attention ---------------------------------------------------------------------------
@@ -591,13 +591,6 @@ def test_short_attention_opcheck_and_compile(gen):
     out, lse = torch.ops.vqlcmd.short_attention(q, k, v)
     torch.library.opcheck(torch.ops.vqlcmd.short_attention_backward.default,
                           (torch.randn_like(q), q, k, v, out, lse))
-    fn = torch.compile(lambda a, b, c: ops.short_attention(a, b, c) * 2, fullgraph=True, backend="aot_eager")
-    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    y = fn(*inputs)
-    y.sum().backward()
-    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    y_ref = 2 * ops.short_attention(*ref_inputs, backend="reference")
-    y_ref.sum().backward()
-    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
-    for a, b in zip(inputs, ref_inputs):
-        torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=1e-5)
+    assert_compiled_graph_matches_reference(ops.short_attention, (q, k, v),
+                                            value_tol=dict(atol=1e-5, rtol=1e-5),
+                                            grad_tol=dict(atol=2e-5, rtol=1e-5))
