@@ -3,9 +3,12 @@
 ``eager`` (the baseline) is what one writes in PyTorch, ``softmax(logits, -1) @ table`` in the
 inputs' dtype, which keeps the (N, K) probabilities for the backward; ``compile`` is
 ``torch.compile`` of the same function; ``triton`` is ``vqlcmd.ops`` with ``backend="triton"`` and
-its default backward (separate dlogits and dtable kernels); ``triton-fused`` is the same with
-``VQLCMD_TRITON_BACKWARD=fused`` (one FlashAttention-2-style backward kernel), timed for ``fwd+bwd``
-only, the one case it changes, so that one GPU run says which backward is faster.
+its default kernels (the one-pass forward; separate dlogits and dtable kernels in the backward);
+``triton-fused`` is the same with ``VQLCMD_TRITON_BACKWARD=fused`` (one FlashAttention-2-style
+backward kernel), timed for ``fwd+bwd`` only, the one case it changes; ``triton-chunked`` sets
+``VQLCMD_TRITON_FORWARD`` and ``VQLCMD_TRITON_BACKWARD`` to ``chunked`` (the softmax parts in
+Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` sets the chunk). So
+one GPU run says which variant is faster.
 Cases: ``fwd`` (no grad), ``fwd+bwd`` (both inputs, non-unit upstream gradient) and ``guided``
 (the samplers' classifier-free-guided variant, ω = 1). The goal case of issue 5 is
 N = 32768 (B 128 × M 256), K = 1024, D = 256 in bf16 on a GPU: fwd+bwd ≥ 1.5× eager, and at
@@ -28,9 +31,10 @@ from vqlcmd import ops
 STAGE = "softmax_embedding_average"
 BASELINE = "eager"
 GUIDANCE = 1.0
-# triton backends -> the backward kernels they run (VQLCMD_TRITON_BACKWARD, read at each backward)
-BACKWARD = {"triton": "split", "triton-fused": "fused"}
-BACKWARD_ENV = "VQLCMD_TRITON_BACKWARD"
+# triton backends -> the (forward, backward) variants they run ($VQLCMD_TRITON_FORWARD and
+# $VQLCMD_TRITON_BACKWARD, read at each call)
+VARIANTS = {"triton": ("fused", "split"), "triton-fused": ("fused", "fused"), "triton-chunked": ("chunked", "chunked")}
+VARIANT_ENVS = ("VQLCMD_TRITON_FORWARD", "VQLCMD_TRITON_BACKWARD")
 
 
 def _shapes(ctx: Context) -> list[tuple[int, int, int]]:
@@ -61,7 +65,7 @@ def _backends(ctx: Context, out: list) -> dict:
                          torch.empty(1, 1, device=ctx.device))
     if not ctx.is_cuda:
         reason = "no CUDA device: Triton would run in its interpreter, whose timings say nothing about the kernels"
-    for name in BACKWARD:
+    for name in VARIANTS:
         if reason is None:
             backends[name] = (
                 lambda logits, table: ops.softmax_embedding_average(logits, table, backend="triton"),
@@ -73,18 +77,19 @@ def _backends(ctx: Context, out: list) -> dict:
 
 
 @contextlib.contextmanager
-def backward_variant(variant):
-    """Run the triton backward as ``variant`` ("fused" or "split"); None leaves the environment alone."""
-    saved = os.environ.get(BACKWARD_ENV)
-    if variant is not None:
-        os.environ[BACKWARD_ENV] = variant
+def triton_variants(variants):
+    """Run the triton kernels as ``variants`` (forward, backward); None leaves the environment alone."""
+    saved = {env: os.environ.get(env) for env in VARIANT_ENVS}
+    if variants is not None:
+        os.environ.update(zip(VARIANT_ENVS, variants))
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(BACKWARD_ENV, None)
-        else:
-            os.environ[BACKWARD_ENV] = saved
+        for env, value in saved.items():
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
 
 
 def activation_bytes(fn, *inputs) -> int:
@@ -123,18 +128,20 @@ def run(ctx: Context) -> list:
         for name, (average, guided) in backends.items():
             common = dict(stage=STAGE, backend=name, shape=shape, dtype=str(dtype)[6:], baseline=BASELINE, graph=True)
 
-            def fwd(average=average):
-                with torch.no_grad():
+            variants = VARIANTS.get(name)
+
+            def fwd(average=average, variants=variants):
+                with torch.no_grad(), triton_variants(variants):
                     return average(logits, table)
 
-            def fwd_bwd(average=average, variant=BACKWARD.get(name)):
+            def fwd_bwd(average=average, variants=variants):
                 for x in leaves:
                     x.grad = None
-                with backward_variant(variant):
+                with triton_variants(variants):
                     average(*leaves).backward(grad)
 
-            def guided_fwd(guided=guided):
-                with torch.no_grad():
+            def guided_fwd(guided=guided, variants=variants):
+                with torch.no_grad(), triton_variants(variants):
                     return guided(logits, uncond, table, GUIDANCE)
 
             only_backward = name == "triton-fused"  # its forward kernels are triton's
@@ -142,7 +149,8 @@ def run(ctx: Context) -> list:
                 run_case(ctx, out, case="fwd", fn=fwd, extra=lambda t: {"GB/s": fwd_gbs / t.median_ms * 1e3},
                          **common)
             try:
-                saved = activation_bytes(average, *leaves)
+                with triton_variants(variants):
+                    saved = activation_bytes(average, *leaves)
             except Exception:  # noqa: BLE001: the figure is optional; the timing below still runs
                 saved = -1
             run_case(ctx, out, case="fwd+bwd", fn=fwd_bwd, extra=lambda t, s=saved: {"activation_bytes": s}, **common)

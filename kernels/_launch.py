@@ -8,6 +8,7 @@ interpreter it would only multiply the (slow) runs.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -38,6 +39,11 @@ _SMALL = 1 << 18
 FUSED_MAX_D = 256
 # the fused backward's row splits are whole multiples of this (the largest BLOCK_M of its configs)
 SPLIT_ALIGN = 128
+# The chunked backward's per-chunk P (16-bit or float32) and dP (float32) are sized to stay in L2
+# between the kernels that write and read them: half of an H100's or H200's 50 MB, leaving the rest
+# for the logits and dY streaming through. 4096 rows at K = 1024 with bf16 P.
+CHUNK_L2_BYTES = 24 << 20
+CHUNK_ENV = "VQLCMD_TRITON_CHUNK_ROWS"
 
 
 def _cap(x: int, hi: int) -> int:
@@ -162,6 +168,16 @@ def blocks(name: str, N: int, K: int, D: int, device: torch.device, dot) -> Opti
     """
     if name == "delta":
         return dict(BLOCK_M=64, BLOCK_D=_cap(D, 256), num_warps=4)
+    if name == "chunk_probs":
+        # whole rows per program, two sweeps over K; memory-bound, so fixed tiles
+        if interpreted:
+            return dict(BLOCK_M=_cap(N, 128), BLOCK_K=_cap(K, 256))
+        return dict(BLOCK_M=8, BLOCK_K=_cap(K, 512), num_warps=4)
+    if name == "chunk":
+        # elementwise over (rows, K): memory-bound, so one fixed tile (no autotuning) on a GPU too
+        if interpreted:
+            return dict(BLOCK_M=_cap(N, 128), BLOCK_K=_cap(K, 256))
+        return dict(BLOCK_M=16, BLOCK_K=_cap(K, 256), num_warps=4)
     if interpreted:
         return dict(BLOCK_M=_cap(N, 128), BLOCK_K=_cap(K, 256), BLOCK_D=_cap(D, 256))
     if device.type == "cuda" and N * K >= _SMALL:
@@ -177,6 +193,27 @@ def splits(N: int) -> int:
     """
     rows = 128 if interpreted else 1024
     return max(1, min(triton.cdiv(N, rows), 32))
+
+
+def chunk_rows(N: int, K: int, p_bytes: int) -> int:
+    """Rows per chunk of the chunked backward: $VQLCMD_TRITON_CHUNK_ROWS, else what keeps a chunk's
+    P (``p_bytes`` per element) and float32 dP within ``CHUNK_L2_BYTES``, in whole SPLIT_ALIGN blocks.
+
+    The interpreter uses 128-row chunks so that the CPU tests cover several chunks and a ragged one.
+    """
+    env = os.environ.get(CHUNK_ENV)
+    if env:
+        try:
+            rows = int(env)
+        except ValueError:
+            rows = 0
+        if rows <= 0:
+            raise ValueError(f"{CHUNK_ENV} must be a positive number of rows, got {env!r}")
+    elif interpreted:
+        rows = SPLIT_ALIGN
+    else:
+        rows = max(SPLIT_ALIGN, CHUNK_L2_BYTES // (max(K, 1) * (p_bytes + 4)) // SPLIT_ALIGN * SPLIT_ALIGN)
+    return max(1, min(rows, N))
 
 
 def fused_fits(D: int, dot) -> bool:

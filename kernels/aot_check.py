@@ -23,7 +23,7 @@ def _signature(fn, io: str, consts: dict) -> tuple[dict, dict]:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            wide = name in ("lse_ptr", "delta_ptr", "dst_ptr")
+            wide = name in ("lse_ptr", "delta_ptr", "dst_ptr", "dp_ptr")
             sig[name] = "*fp32" if wide else io
         else:
             sig[name] = "fp32" if name == "guidance" else "i32"
@@ -46,15 +46,27 @@ def check(quick: bool) -> list[str]:
     kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)), "grad_logits": (sea._grad_logits_kernel, {}),
                "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True)),
                "fused_backward": (sea._fused_backward_kernel, dict(ATOMIC=True))}
-    jobs = [(key, cfg, "small") for key, cfg in _launch._SMALL_BLOCKS.items()]
+    # (name, operand width, constexprs, warps, stages, kind)
+    jobs = [(name, width, dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), warps, stages, "small")
+            for (name, width), (m, k, d, warps, stages) in _launch._SMALL_BLOCKS.items()]
     if not quick:
-        jobs += [(key, cfg, "tuned") for key, cfgs in _launch._CONFIGS.items() for cfg in cfgs]
+        jobs += [(name, width, dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), warps, stages, "tuned")
+                 for (name, width), cfgs in _launch._CONFIGS.items() for (m, k, d, warps, stages) in cfgs]
+    # the chunked variants' elementwise kernels: their fixed tiles at the goal shape (K = 1024)
+    kernels["chunk"] = (sea._chunk_kernel, dict(WRITE_GRAD=True, WRITE_P=True))
+    kernels["chunk_probs"] = (sea._chunk_probs_kernel, dict(GUIDED=True))
+    for name in ("chunk", "chunk_probs"):
+        for width, dot in ((16, tl.bfloat16), (32, tl.float32)):
+            blk = _launch.blocks(name, 4096, 1024, 256, _cuda(), dot)
+            warps = blk.pop("num_warps")
+            jobs.append((name, width, blk, warps, blk.pop("num_stages", 3), "fixed"))
     problems = []
-    for (name, width), (m, k, d, warps, stages), kind in jobs:
+    for name, width, tiles, warps, stages, kind in jobs:
         fn, consts = kernels[name]
-        consts = dict(consts, DOT_DTYPE=tl.float32 if width == 32 else tl.bfloat16, BLOCK_M=m, BLOCK_K=k, BLOCK_D=d)
+        consts = dict(consts, DOT_DTYPE=tl.float32 if width == 32 else tl.bfloat16, **tiles)
         sig, attrs = _signature(fn, "*fp32" if width == 32 else "*bf16", consts)
-        label = f"{name} {'fp32' if width == 32 else 'bf16'} {kind} M{m} K{k} D{d} warps{warps} stages{stages}"
+        shape = " ".join(f"{key[6:]}{value}" for key, value in tiles.items())
+        label = f"{name} {'fp32' if width == 32 else 'bf16'} {kind} {shape} warps{warps} stages{stages}"
         try:
             compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                       options=dict(num_warps=warps, num_stages=stages))
@@ -69,6 +81,12 @@ def check(quick: bool) -> list[str]:
         if spilled:
             problems.append(f"{label}: spills {spilled} bytes of registers")
     return problems
+
+
+def _cuda():
+    import torch
+
+    return torch.device("cuda")
 
 
 def _registers(ptx: str) -> tuple[int, int]:

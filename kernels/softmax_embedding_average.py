@@ -27,6 +27,16 @@ does them in 0.073 ms: the backward is bound by how Triton issues the matrix pro
 logits traffic that the fusion saves. So "split" is the default and "fused" stays selectable
 (VQLCMD_TRITON_BACKWARD=fused) for the tuning that could make it pay off.
 
+Hence the "chunked" variants (VQLCMD_TRITON_FORWARD / VQLCMD_TRITON_BACKWARD = chunked), which
+leave the products to cuBLAS and keep the softmax parts in Triton, chunk by chunk of rows: the
+forward writes a chunk's P (and lse) and multiplies it by the table; the backward forms the chunk's
+dP = dY·tableᵀ in float32, then one elementwise pass reads the logits once, writes dlogits once and
+writes P for dtable += Pᵀ·dY. A chunk's P and dP (``chunk_rows``: 24 MiB, 4096 rows at K = 1024)
+are meant to live in L2, so the traffic to memory is about the fused kernels' (logits in, dlogits
+out), and only the log-sum-exp is saved for the backward, as before. Not yet timed on a GPU: they
+become the default only once ``benchmarks/run.py --stage softmax_embedding_average`` (the
+``triton-chunked`` rows) shows them faster.
+
 Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
 Under TRITON_INTERPRET=1 (the CPU tests) the interpreter keeps bfloat16 as raw 16-bit
 patterns, so every tile is converted to float32 right after loading and DOT_DTYPE, the
@@ -42,7 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import SPLIT_ALIGN, Tuned, blocks, dot_dtype, fused_fits, fused_splits, interpreted, splits
+from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fused_fits, fused_splits, interpreted,
+                      splits)
 
 
 @triton.jit
@@ -212,6 +223,73 @@ def _fused_backward_kernel(
         tl.store(dst_ptr + pid_s * K * D + offs, acc, mask=kd_mask)
 
 
+@triton.jit
+def _chunk_kernel(
+    logits_ptr, lse_ptr, delta_ptr, dp_ptr, grad_logits_ptr, p_ptr,
+    N, K,
+    WRITE_GRAD: tl.constexpr, WRITE_P: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # The chunked backward's one elementwise pass over a chunk of rows (all pointers at the chunk's
+    # first row, rows K apart): P = exp(s − lse) recomputed once, dlogits = P ∘ (dP − delta) from the
+    # product cuBLAS left in dp, and P stored for the dtable product that follows.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_in = rows < N
+    mask = row_in[:, None] & (ks < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + ks[None, :]
+    s = tl.load(logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + rows, mask=row_in, other=0.0)
+    p = tl.exp(s - lse[:, None])
+    if WRITE_P:
+        tl.store(p_ptr + offs, p.to(DOT_DTYPE), mask=mask)
+    if WRITE_GRAD:
+        dp = tl.load(dp_ptr + offs, mask=mask, other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=row_in, other=0.0)
+        tl.store(grad_logits_ptr + offs, p * (dp - delta[:, None]), mask=mask)
+
+
+@triton.jit
+def _chunk_probs_kernel(
+    logits_ptr, uncond_ptr, lse_ptr, p_ptr,
+    N, K, guidance,
+    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # The chunked forward's softmax over a chunk of rows (pointers at its first row): an online
+    # max and sum over K, then P = exp(s − lse) stored for cuBLAS's P·table. The second sweep reads
+    # the rows this program has just read, from cache.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = rows < N
+    row_off = tl.minimum(rows, N - 1).to(tl.int64) * K  # rows past N re-read row N-1, never stored
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = ks < K
+        s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
+        if GUIDED:  # as in _forward_kernel
+            u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
+            s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
+        s = tl.where(k_in[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
+        m_i = m_new
+    lse = m_i + tl.log(l_i)
+    tl.store(lse_ptr + rows, lse, mask=row_in)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = ks < K
+        s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
+        if GUIDED:
+            u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
+            s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
+        p = tl.exp(s - lse[:, None])
+        tl.store(p_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], p.to(DOT_DTYPE),
+                 mask=row_in[:, None] & k_in[None, :])
+
+
 _TUNED = {
     "forward": Tuned(_forward_kernel, "forward", variants=("GUIDED",)),
     "grad_logits": Tuned(_grad_logits_kernel, "grad_logits"),
@@ -220,7 +298,7 @@ _TUNED = {
                             reset_to_zero=["dst_ptr"]),
 }
 _KERNELS = {"forward": _forward_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel,
-            "fused_backward": _fused_backward_kernel}
+            "fused_backward": _fused_backward_kernel, "chunk": _chunk_kernel, "chunk_probs": _chunk_probs_kernel}
 
 
 def _launch(name: str, grid, N: int, K: int, D: int, args: tuple, dot, **const) -> None:
@@ -232,9 +310,25 @@ def _launch(name: str, grid, N: int, K: int, D: int, args: tuple, dot, **const) 
         _KERNELS[name][grid(blk)](*args, DOT_DTYPE=dot, **const, **blk)
 
 
+FORWARD_ENV = "VQLCMD_TRITON_FORWARD"
+FORWARD_VARIANTS = ("fused", "chunked")
+
+
+def forward_variant(variant: Optional[str] = None) -> str:
+    """``variant``, else $VQLCMD_TRITON_FORWARD, else "fused" (read per call so a benchmark can switch)."""
+    variant = variant or os.environ.get(FORWARD_ENV) or "fused"
+    if variant not in FORWARD_VARIANTS:
+        raise ValueError(f"{FORWARD_ENV} must be one of {', '.join(FORWARD_VARIANTS)}, got {variant!r}")
+    return variant
+
+
 def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Tensor] = None,
-            guidance: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (N, K), table (K, D) [, uncond (N, K), ω] -> out (N, D) in the promoted dtype, lse (N,) float32."""
+            guidance: float = 0.0, *, variant: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, K), table (K, D) [, uncond (N, K), ω] -> out (N, D) in the promoted dtype, lse (N,) float32.
+
+    ``variant`` (default $VQLCMD_TRITON_FORWARD, else "fused"): the one-pass FlashAttention-style
+    kernel, or "chunked": the softmax of a chunk of rows in Triton and P_c·table through cuBLAS.
+    """
     N, K = logits.shape
     D = table.shape[1]
     out_dtype = torch.promote_types(logits.dtype, table.dtype)
@@ -242,18 +336,23 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
         out_dtype = torch.promote_types(out_dtype, uncond.dtype)
     out = torch.empty((N, D), device=logits.device, dtype=out_dtype)
     lse = torch.empty((N,), device=logits.device, dtype=torch.float32)
+    variant = forward_variant(variant)
     if N == 0:
         return out, lse
     guided = uncond is not None
     logits, table = logits.contiguous(), table.contiguous()
     uncond = uncond.contiguous() if guided else logits  # unread when not guided
-    _launch("forward", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"])), N, K, D,
-            (logits, uncond, table, out, lse, N, K, D, float(guidance)), dot_dtype(logits, table), GUIDED=guided)
+    dot = dot_dtype(logits, table)
+    if variant == "chunked":
+        _chunked_forward(logits, uncond, table, float(guidance), guided, out, lse, dot)
+    else:
+        _launch("forward", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"])),
+                N, K, D, (logits, uncond, table, out, lse, N, K, D, float(guidance)), dot, GUIDED=guided)
     return out, lse
 
 
 BACKWARD_ENV = "VQLCMD_TRITON_BACKWARD"
-BACKWARD_VARIANTS = ("fused", "split")
+BACKWARD_VARIANTS = ("fused", "split", "chunked")
 
 
 def backward_variant(variant: Optional[str] = None) -> str:
@@ -271,9 +370,10 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
              variant: Optional[str] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients of ``forward`` w.r.t. logits (N, K) and table (K, D), in their dtypes (None if not needed).
 
-    ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "split") picks the fused kernel or the split
-    ones when both gradients are needed and the fused kernel fits (``fused_fits``); a single
-    gradient always takes its own split kernel, which does no work for the other.
+    ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "split") picks the fused kernel, the split
+    ones or the chunked products. "fused" applies when both gradients are needed and the kernel fits
+    (``fused_fits``), else a single gradient takes its own split kernel, which does no work for the
+    other. "chunked" serves any combination and is deterministic whatever ``deterministic`` says.
     """
     N, K = logits.shape
     D = table.shape[1]
@@ -281,7 +381,18 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
     dot = dot_dtype(logits, table)
     dev = logits.device
-    fused = backward_variant(variant) == "fused" and need_logits and need_table and fused_fits(D, dot)
+    variant = backward_variant(variant)
+    delta = None
+    if N and need_logits:
+        delta = torch.empty((N,), device=dev, dtype=torch.float32)
+        has_glse = grad_lse is not None
+        blk = blocks("delta", N, K, D, dev, dot)
+        _delta_kernel[(triton.cdiv(N, blk["BLOCK_M"]),)](
+            grad_out, out, grad_lse.contiguous() if has_glse else lse, delta, N, D,
+            HAS_GRAD_LSE=has_glse, **blk)
+    if variant == "chunked":
+        return _chunked_backward(grad_out, lse, logits, table, delta, need_logits, need_table, dot)
+    fused = variant == "fused" and need_logits and need_table and fused_fits(D, dot)
     grad_logits = torch.empty_like(logits) if need_logits else None
     if need_table:
         n_split = fused_splits(N) if fused else splits(N)
@@ -289,13 +400,6 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
         # atomics add into one float32 (K, D) buffer; otherwise each split writes its own slice
         dst = torch.zeros((K, D) if atomic else (n_split, K, D), device=dev, dtype=torch.float32)
     if N:
-        if need_logits:
-            delta = torch.empty((N,), device=dev, dtype=torch.float32)
-            has_glse = grad_lse is not None
-            blk = blocks("delta", N, K, D, dev, dot)
-            _delta_kernel[(triton.cdiv(N, blk["BLOCK_M"]),)](
-                grad_out, out, grad_lse.contiguous() if has_glse else lse, delta, N, D,
-                HAS_GRAD_LSE=has_glse, **blk)
         if fused:
             # whole row blocks in every split (split_rows is a multiple of every BLOCK_M), so only
             # the last split has a ragged tail
@@ -317,4 +421,70 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     return grad_logits, grad_table
 
 
-__all__ = ["forward", "backward", "backward_variant", "interpreted"]
+_TORCH_DTYPE = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16, tl.float32: torch.float32}
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b with float32 output: 16-bit operands (CUDA only, by ``dot_dtype``) through cuBLAS's
+    float32-output GEMM, so dP keeps float32 before ``dP − delta`` cancels most of it."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def _chunked_forward(logits, uncond, table, guidance, guided, out, lse, dot):
+    """out = P·table chunk by chunk: the ``chunk_probs`` kernel writes lse and the chunk's P (one
+    buffer reused, so it stays in L2, see ``_chunked_backward``), cuBLAS multiplies."""
+    N, K = logits.shape
+    p_dtype = _TORCH_DTYPE[dot]
+    table_p = table.to(p_dtype)
+    rows = chunk_rows(N, K, p_dtype.itemsize)
+    p_buf = torch.empty((rows, K), device=logits.device, dtype=p_dtype)
+    for r0 in range(0, N, rows):
+        n = min(rows, N - r0)
+        _launch("chunk_probs", lambda meta, n=n: (triton.cdiv(n, meta["BLOCK_M"]),), n, K, table.shape[1],
+                (logits[r0:], uncond[r0:], lse[r0:], p_buf, n, K, guidance), dot, GUIDED=guided)
+        if out.dtype == p_dtype:
+            torch.mm(p_buf[:n], table_p, out=out[r0:r0 + n])
+        else:
+            out[r0:r0 + n] = _mm_float32(p_buf[:n], table_p)
+
+
+def _chunked_backward(grad_out, lse, logits, table, delta, need_logits, need_table, dot):
+    """Both products through cuBLAS, the softmax part in one Triton pass per chunk of rows.
+
+    Triton issues the backward's two products at ~200 TFLOP/s on an H200 where cuBLAS reaches ~460
+    (module docstring), so this variant gives them to cuBLAS, chunk by chunk: dP = dY_c·tableᵀ
+    (float32), the ``chunk`` kernel (reads the logits once, writes dlogits once and P), then
+    dtable += P_cᵀ·dY_c. P and dP exist for one chunk only (``chunk_rows``: sized to stay in L2),
+    and the same two buffers serve every chunk, so they are rewritten in L2 rather than streamed to
+    memory; the saved activations are still only the log-sum-exp. The chunks run in order and
+    cuBLAS products are deterministic, so the table gradient is too.
+    """
+    N, K = logits.shape
+    D = table.shape[1]
+    dev = logits.device
+    p_dtype = _TORCH_DTYPE[dot]  # the GEMM operand dtype: 16-bit on a GPU when the inputs are
+    dy, table_t = grad_out.to(p_dtype), table.to(p_dtype).t()
+    rows = chunk_rows(N, K, p_dtype.itemsize)
+    grad_logits = torch.empty_like(logits) if need_logits else None
+    dst = torch.zeros((K, D), device=dev, dtype=torch.float32) if need_table else None
+    p_buf = torch.empty((rows, K), device=dev, dtype=p_dtype) if need_table else None
+    dp_buf = torch.empty((rows, K), device=dev, dtype=torch.float32) if need_logits else None
+    for r0 in range(0, N, rows):
+        n = min(rows, N - r0)
+        dy_c = dy[r0:r0 + n]
+        if need_logits:
+            _mm_float32(dy_c, table_t, out=dp_buf[:n])
+        # unused pointers get a live tensor of the right kind; the constexpr switches never touch them
+        _launch("chunk", lambda meta, n=n: (triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
+                n, K, D, (logits[r0:], lse[r0:], delta[r0:] if need_logits else lse,
+                          dp_buf if need_logits else lse, grad_logits[r0:] if need_logits else logits,
+                          p_buf if need_table else logits, n, K),
+                dot, WRITE_GRAD=need_logits, WRITE_P=need_table)
+        if need_table:
+            dst += _mm_float32(p_buf[:n].t(), dy_c)
+    return grad_logits, (dst.to(table.dtype) if need_table else None)
+
+
+__all__ = ["forward", "forward_variant", "backward", "backward_variant", "interpreted"]

@@ -4,8 +4,9 @@ On CPU these run in Triton's interpreter (tests/kernels/conftest.py), so row cou
 the shapes still cross every tile edge: K = 1000 spans several K tiles with a ragged last one,
 257 rows leave a one-row tail block and three dtable row splits (260 rows do at K = 1024, D = 256),
 D = 48 and D = 300 are ragged.
-Both backward variants (the fused kernel and the split kernels, VQLCMD_TRITON_BACKWARD) are run,
-and the spy ``launched`` checks which kernels a backward actually took.
+The three backward variants (the fused kernel, the split kernels, and the chunked one that leaves
+its products to torch.mm; VQLCMD_TRITON_BACKWARD) are run, and the spy ``launched`` checks which
+kernels a backward actually took. The chunked variant's chunks are 128 rows under the interpreter.
 """
 import pytest
 import torch
@@ -68,7 +69,17 @@ def launched(sea, monkeypatch):
     return names
 
 
-@pytest.mark.parametrize("variant", ["fused", "split"])
+VARIANTS = ["fused", "split", "chunked"]
+
+
+def backward_kernels(sea, variant, N, D, dot):
+    """What a backward of both gradients launches through ``_launch`` under the interpreter."""
+    if variant == "chunked":
+        return ["chunk"] * -(-N // 128)
+    return ["fused_backward"] if variant == "fused" and sea.fused_fits(D, dot) else ["grad_logits", "grad_table"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D", SHAPES)
 def test_output_and_gradients_match_reference(lead, K, D, dtype, variant, device, sea, launched, monkeypatch):
@@ -80,15 +91,36 @@ def test_output_and_gradients_match_reference(lead, K, D, dtype, variant, device
     assert_close(out, ref, dtype)
     assert_close(g_logits, r_logits, dtype)
     assert_close(g_table, r_table, dtype)
-    fused = variant == "fused" and sea.fused_fits(D, sea.dot_dtype(logits, table))  # not fp32 on a GPU
-    assert launched == ["forward", *(["fused_backward"] if fused else ["grad_logits", "grad_table"])]
+    if not torch.cuda.is_available():  # on a GPU fp32 never takes the fused kernel, and chunks are larger
+        assert launched == ["forward", *backward_kernels(sea, variant, logits[..., 0].numel(), D, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead,K,D", SHAPES)
+def test_chunked_forward_matches_reference(lead, K, D, dtype, device, sea, launched, monkeypatch):
+    # the chunked forward (softmax per chunk in Triton, P·table by torch.mm) with the chunked backward,
+    # and the log-sum-exp it saves
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "chunked")
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "chunked")
+    logits, table = make(lead, K, D, dtype, device)
+    upstream = torch.randn(*lead, D, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
+    assert_close(out, ref, dtype)
+    assert_close(g_logits, r_logits, dtype)
+    assert_close(g_table, r_table, dtype)
+    _, lse = sea.forward(logits.reshape(-1, K), table)
+    torch.testing.assert_close(lse, logits.reshape(-1, K).float().logsumexp(-1), rtol=1e-5, atol=1e-5)
+    if not torch.cuda.is_available():
+        chunks = -(-logits[..., 0].numel() // 128)
+        assert launched == ["chunk_probs"] * chunks + ["chunk"] * chunks + ["chunk_probs"] * chunks
 
 
 # (need_logits, need_table): a single gradient takes its own split kernel whatever the variant
 NEEDS = [(True, True), (True, False), (False, True)]
 
 
-@pytest.mark.parametrize("variant", ["fused", "split"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, device, sea, launched):
@@ -116,6 +148,7 @@ def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, devic
             assert_close(g_table, ref_table.grad, dtype)
         fused = variant == "fused" and need_logits and need_table and sea.fused_fits(D, sea.dot_dtype(table))
         assert ("fused_backward" in launched) == fused, launched
+        assert ("chunk" in launched) == (variant == "chunked"), launched
 
 
 def test_wide_tables_and_unknown_variants(sea, launched, monkeypatch):
@@ -128,6 +161,29 @@ def test_wide_tables_and_unknown_variants(sea, launched, monkeypatch):
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "fast")
     with pytest.raises(ValueError, match="VQLCMD_TRITON_BACKWARD"):
         sea.backward(out, out, lse, logits, table)
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "split")
+    with pytest.raises(ValueError, match="VQLCMD_TRITON_FORWARD"):
+        sea.forward(logits, table)
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "chunked")
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "chunked")
+    monkeypatch.setenv("VQLCMD_TRITON_CHUNK_ROWS", "0")
+    with pytest.raises(ValueError, match="VQLCMD_TRITON_CHUNK_ROWS"):
+        sea.backward(out, out, lse, logits, table)
+
+
+@pytest.mark.parametrize("chunk_rows", ["1", "50", "4096"])
+def test_chunked_backward_any_chunk_size(chunk_rows, device, sea, launched, monkeypatch):
+    # one-row chunks, a ragged last chunk (257 = 5 x 50 + 7) and one chunk larger than the batch
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "chunked")
+    monkeypatch.setenv("VQLCMD_TRITON_CHUNK_ROWS", chunk_rows)
+    N = 257 if chunk_rows != "1" else 5
+    logits, table = make((N,), 1000, 48, torch.float32, device)
+    upstream = torch.randn(N, 48, generator=torch.Generator().manual_seed(4)).to(device)
+    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
+    assert_close(g_logits, r_logits, torch.float32)
+    assert_close(g_table, r_table, torch.float32)
+    assert launched.count("chunk") == -(-N // min(int(chunk_rows), N))
 
 
 @pytest.mark.parametrize("table_dtype", [torch.float16, torch.float32])
@@ -175,9 +231,10 @@ def test_masked_classes_are_ignored(device):
     assert_close(g_table, r_table, torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["fused", "split"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_deterministic_dtable_is_reproducible(variant, device, monkeypatch):
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic torch.mm on CUDA (chunked)
     logits, table = make((257,), 64, 16, torch.float32, device)
     upstream = torch.randn(257, 16).to(device)
     _, _, atomic = grads(triton_average, logits, table, upstream)
@@ -216,9 +273,11 @@ def test_empty_batch_and_non_contiguous_inputs(device):
 
 # ---- guided variant ---------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("forward", ["fused", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D,scale", [((2, 8), 1024, 256, 1.0), ((257,), 1000, 48, 3.5)])
-def test_guided_matches_reference(lead, K, D, scale, dtype, device):
+def test_guided_matches_reference(lead, K, D, scale, dtype, forward, device, monkeypatch):
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", forward)
     cond, table = make(lead, K, D, dtype, device)
     uncond, _ = make(lead, K, D, dtype, device, seed=7)
     out = ops.guided_embedding_average(cond, uncond, table, scale, backend="triton")
@@ -268,9 +327,13 @@ def test_traces_under_torch_compile(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype,variant", [(torch.bfloat16, "fused"), (torch.bfloat16, "split"),
-                                           (torch.float16, "fused"), (torch.float32, "fused")])
+                                           (torch.bfloat16, "chunked"), (torch.float16, "fused"),
+                                           (torch.float16, "chunked"), (torch.float32, "fused"),
+                                           (torch.float32, "chunked")])
 def test_gpu_goal_shape(dtype, variant, deterministic, monkeypatch):
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "chunked" if variant == "chunked" else "fused")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic torch.mm (chunked)
     logits, table = make((32, 1024), 1024, 256, dtype, "cuda")  # N = 32768: autotuned path
     upstream = torch.randn(32, 1024, 256, device="cuda", dtype=dtype)
     torch.use_deterministic_algorithms(deterministic)
