@@ -65,9 +65,11 @@ def _cases(ctx: Context):
         s_ = student.clone().requires_grad_()
         return lambda: torch.autograd.grad(ops.categorical_kl(teacher, s_, backend=backend), s_, upstream), None
 
+    # drawn noise takes the default generator: a CUDA graph captures its draws without further setup
+    # (another generator would have to be registered with the graph)
     def noise_fwd(drawn):
         def make(backend):
-            kw = dict(drop_mask=drop, mask_index=K, generator=g if drawn else None, noise=None if drawn else noise)
+            kw = dict(drop_mask=drop, mask_index=K, noise=None if drawn else noise)
             return lambda: ops.noise_embeddings(tokens, table, alpha, sigma, backend=backend, **kw), None
         return make
 

@@ -7,10 +7,12 @@
 
 TORCH_LIBRARY(vqlcmd, m) {
   m.set_python_module("vqlcmd.ops._compiled");
-  // z = alpha E[x'] + sigma eps; eps = noise, or Philox(seed, offset) when noise is None.
+  // z = alpha E[x'] + sigma eps; eps = noise, or Philox(seed, offset) when noise is None. seed_tensor
+  // (one int64 on the op's device), when given, replaces seed: the kernel reads it, so a CUDA graph
+  // replays with the seed drawn on the device at each replay rather than one baked in at capture.
   m.def(
       "noise_embeddings(Tensor tokens, Tensor table, Tensor alpha, Tensor sigma, Tensor? noise, "
-      "Tensor? drop_mask, int mask_index, int seed, int offset) -> Tensor");
+      "Tensor? drop_mask, int mask_index, int seed, int offset, Tensor? seed_tensor=None) -> Tensor");
   // float32 (num_rows, D) gradient of the table: scatter-add of alpha * grad.
   m.def(
       "noise_embeddings_backward(Tensor grad, Tensor tokens, Tensor? drop_mask, int mask_index, Tensor alpha, "

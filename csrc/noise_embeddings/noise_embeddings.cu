@@ -20,6 +20,7 @@ struct FwdParams {
   const float* sigma;
   int64_t N, M, D, V;
   uint64_t seed, offset;
+  const int64_t* seed_ptr;  // replaces seed when set: read on the device (CUDA-graph replays)
   int* bad;
 };
 
@@ -30,10 +31,14 @@ __global__ void noise_forward_kernel(FwdParams p, const table_t* __restrict__ ta
                                      const noise_t* __restrict__ noise, table_t* __restrict__ out) {
   const int64_t total = p.N * p.D;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  uint64_t seed = p.seed;
+  if constexpr (kDraw) {
+    if (p.seed_ptr != nullptr) seed = static_cast<uint64_t>(*p.seed_ptr);
+  }
   for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; 4 * q < total; q += stride) {
     float eps[4];
     if constexpr (kDraw) {
-      const Philox4 r = philox_block(p.seed, p.offset, static_cast<uint64_t>(q));
+      const Philox4 r = philox_block(seed, p.offset, static_cast<uint64_t>(q));
       box_muller(r.x[0], r.x[1], &eps[0], &eps[1]);
       box_muller(r.x[2], r.x[3], &eps[2], &eps[3]);
     }
@@ -92,15 +97,16 @@ void launch_forward(const FwdParams& p, const table_t* table, const noise_t* noi
 at::Tensor noise_embeddings_cuda(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& alpha,
                                  const at::Tensor& sigma, const std::optional<at::Tensor>& noise,
                                  const std::optional<at::Tensor>& drop_mask, int64_t mask_index, int64_t seed,
-                                 int64_t offset) {
+                                 int64_t offset, const std::optional<at::Tensor>& seed_tensor) {
   const c10::cuda::CUDAGuard guard(table.device());
   const NoiseArgs a = noise_args(tokens, table, alpha, sigma, noise, drop_mask, mask_index);
+  check_seed_tensor(seed_tensor, table);
   at::Tensor out = at::empty({a.B, a.M, a.D}, table.options());
   if (out.numel() == 0) return out;
   cuda::BadIdFlag bad(table.device());
   const FwdParams p{a.rows.data_ptr<int64_t>(), a.alpha.data_ptr<float>(), a.sigma.data_ptr<float>(),
                     a.B * a.M, a.M, a.D, a.V, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
-                    bad.ptr()};
+                    seed_tensor.has_value() ? seed_tensor->data_ptr<int64_t>() : nullptr, bad.ptr()};
   VQLCMD_DISPATCH_FLOAT(table.scalar_type(), "noise_embeddings_cuda", [&] {
     using table_t = scalar_t;
     if (a.noise.has_value()) {

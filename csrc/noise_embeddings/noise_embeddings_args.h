@@ -36,4 +36,14 @@ inline NoiseArgs noise_args(const at::Tensor& tokens, const at::Tensor& table, c
   return a;
 }
 
+// seed_tensor, when given, must be one int64 on the op's device (the kernels read the seed from it).
+inline void check_seed_tensor(const std::optional<at::Tensor>& seed_tensor, const at::Tensor& table) {
+  if (!seed_tensor.has_value()) return;
+  TORCH_CHECK(seed_tensor->scalar_type() == at::kLong && seed_tensor->numel() == 1,
+              "seed_tensor must hold one int64, got ", seed_tensor->scalar_type(), " with ", seed_tensor->numel(),
+              " elements");
+  TORCH_CHECK(seed_tensor->device() == table.device(), "seed_tensor must be on the table's device (",
+              table.device(), "), got ", seed_tensor->device());
+}
+
 }  // namespace vqlcmd

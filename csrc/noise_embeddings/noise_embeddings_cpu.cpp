@@ -50,8 +50,10 @@ void forward_rows(const NoiseArgs& a, const noise_t* noise, uint64_t seed, uint6
 at::Tensor noise_embeddings_cpu(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& alpha,
                                 const at::Tensor& sigma, const std::optional<at::Tensor>& noise,
                                 const std::optional<at::Tensor>& drop_mask, int64_t mask_index, int64_t seed,
-                                int64_t offset) {
+                                int64_t offset, const std::optional<at::Tensor>& seed_tensor) {
   const NoiseArgs a = noise_args(tokens, table, alpha, sigma, noise, drop_mask, mask_index);
+  check_seed_tensor(seed_tensor, table);
+  if (seed_tensor.has_value()) seed = seed_tensor->item<int64_t>();
   at::Tensor out = at::empty({a.B, a.M, a.D}, table.options());
   if (out.numel() == 0) return out;
   VQLCMD_DISPATCH_FLOAT(table.scalar_type(), "noise_embeddings_cpu", [&] {

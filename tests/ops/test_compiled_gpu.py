@@ -205,6 +205,11 @@ def test_philox_noise_cuda_equals_cpu(D):
         draws.append(torch.ops.vqlcmd.noise_embeddings(tokens, table, torch.zeros(8, device=device),
                                                        torch.ones(8, device=device), None, None, -1, 987654321, 12))
     torch.testing.assert_close(draws[1].cpu(), draws[0], atol=1e-5, rtol=1e-5)  # libm vs CUDA sin/cos/log ulps
+    # the key read from a device tensor (the graph-safe path) is the same stream
+    tokens, table = torch.zeros(8, 64, dtype=torch.long, device=CUDA), torch.zeros(1, D, device=CUDA)
+    keyed = torch.ops.vqlcmd.noise_embeddings(tokens, table, torch.zeros(8, device=CUDA), torch.ones(8, device=CUDA),
+                                              None, None, -1, 0, 12, torch.tensor([987654321], device=CUDA))
+    assert torch.equal(keyed, draws[1])
     eps = draws[1].double()
     n = eps.numel()  # 5-sigma bounds for the mean and variance of n standard normals
     assert abs(eps.mean().item()) < 5 / n**0.5 and abs(eps.var().item() - 1) < 5 * (2 / n) ** 0.5
@@ -255,6 +260,35 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.vqlcmd.ddim_teacher_step.default,
                           (tokens, table.detach(), torch.randn(2, 5, 12, device=CUDA), ab, ab, ab, ab))
     torch.library.opcheck(torch.ops.vqlcmd.categorical_kl.default, (t, s.requires_grad_(), True))
+
+
+def test_drawn_noise_is_new_at_every_cuda_graph_replay():
+    """The Philox key is drawn on the device inside the graph, so each replay draws new noise."""
+    tokens = torch.zeros(8, 64, dtype=torch.long, device=CUDA)
+    table = torch.zeros(1, 256, device=CUDA)
+    a, s = torch.zeros(8, device=CUDA), torch.ones(8, device=CUDA)
+
+    def step():
+        return ops.noise_embeddings(tokens, table, a, s, backend="compiled")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    draws = []
+    for _ in range(2):
+        graph.replay()
+        draws.append(captured.clone())
+    torch.cuda.synchronize()
+    assert not torch.equal(draws[0], draws[1])
+    for eps in draws:
+        eps = eps.double()
+        n = eps.numel()
+        assert abs(eps.mean().item()) < 5 / n**0.5 and abs(eps.var().item() - 1) < 5 * (2 / n) ** 0.5
 
 
 def test_compiled_ops_replay_in_a_cuda_graph():

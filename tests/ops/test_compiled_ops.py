@@ -288,6 +288,41 @@ def test_generated_noise_reproduces_per_seed_and_differs_per_call(gen):
     assert torch.equal(a, ops.noise_embeddings(tokens, table, alpha, sigma, backend="compiled"))
 
 
+def test_seed_tensor_replaces_the_int_seed():
+    # the key a graph-captured call reads on the device: same stream as the int seed of that value
+    for seed, offset in ((5, 0), (-12345678901234, 3)):
+        z = torch.zeros(1, 7)
+        args = (torch.zeros(2, 3, dtype=torch.long), z, torch.zeros(2), torch.ones(2), None, None, -1)
+        from_tensor = torch.ops.vqlcmd.noise_embeddings(*args, 99, offset, torch.tensor([seed]))
+        assert torch.equal(from_tensor, _drawn(seed, offset))
+        assert not torch.equal(from_tensor, _drawn(99, offset))
+    for bad, message in ((torch.tensor([1, 2]), "one int64"), (torch.tensor([1.0]), "one int64")):
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.vqlcmd.noise_embeddings(*args, 0, 0, bad)
+
+
+def test_drawn_noise_under_torch_compile_differs_per_call(gen):
+    # the key is drawn inside the compiled graph, so each call of the compiled function draws anew,
+    # and torch.manual_seed still reproduces
+    tokens, table, alpha, sigma, _ = _noise_inputs(gen)
+
+    def noisy(ids, tab):
+        return ops.noise_embeddings(ids, tab, alpha, sigma, backend="compiled")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(noisy, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(11)
+    first, second = compiled(tokens, table), compiled(tokens, table)
+    assert not torch.equal(first, second)
+    torch.manual_seed(11)
+    assert torch.equal(compiled(tokens, table), first)
+    eps = (second - alpha[:, None, None] * table[tokens]) / sigma[:, None, None]
+    assert abs(eps.mean().item()) < 5 / eps.numel() ** 0.5
+    # the Python range check cannot run inside the graph; the kernel's own check still stops bad ids
+    with pytest.raises(RuntimeError, match="outside the table"):
+        compiled(torch.full_like(tokens, table.shape[0]), table)
+
+
 # ---- ddim_teacher_step -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("z_dtype,table_dtype", [(d, d) for d in DTYPES] + [(torch.bfloat16, torch.float32)],
@@ -335,6 +370,7 @@ def _opcheck_cases(gen):
     return [
         ("noise_embeddings", (tokens, tab, alpha, sigma, noise, drop, 20, 0, 0)),
         ("noise_embeddings", (tokens, tab, alpha, sigma, None, None, -1, 11, 4)),
+        ("noise_embeddings", (tokens, tab, alpha, sigma, None, drop, 20, 0, 2, torch.tensor([-7]))),
         ("noise_embeddings_backward", (noise, tokens, drop, 20, alpha, 21, True)),
         ("ddim_teacher_step", (tokens, table, noise, alpha, sigma, alpha, sigma)),
         ("categorical_kl", (t, s.clone().requires_grad_(), True)),
@@ -343,7 +379,7 @@ def _opcheck_cases(gen):
     ]
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_opcheck(case, gen):
     name, args = _opcheck_cases(gen)[case]
     torch.library.opcheck(getattr(torch.ops.vqlcmd, name).default, args)

@@ -74,45 +74,37 @@ def _priority(device: torch.device) -> int:
 
 # ---- noise_embeddings ------------------------------------------------------------------------
 
-def _philox_seed_offset(generator: Optional[torch.Generator], device: torch.device, numel: int) -> tuple[int, int]:
-    """(seed, offset) for the in-kernel Philox stream, drawn from the torch generator so that a
-    seeded generator reproduces and successive calls differ.
+def _philox_seed(generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
+    """A fresh 64-bit key for the in-kernel Philox stream, drawn by the torch generator into a
+    one-element tensor on ``device`` that the kernel reads (the counter starts at 0).
 
-    CUDA generators are Philox already: reuse their seed and advance their offset past the
-    blocks this call uses (no device sync). CPU generators (Mersenne Twister) give a fresh
-    64-bit seed per call.
+    Drawn on the device rather than read from the generator on the host, so that a CUDA graph
+    captures the draw itself: each replay gets a new key from the generator's graph-safe state,
+    where a host-side (seed, offset) pair would be frozen into the graph at capture (PyTorch forbids
+    reading a CUDA generator's offset while capturing for that reason). A seeded generator
+    reproduces; successive calls differ.
     """
-    if device.type == "cuda":
-        gen = generator if generator is not None else torch.cuda.default_generators[
-            device.index if device.index is not None else torch.cuda.current_device()]
-        offset = gen.get_offset()
-        blocks = (numel + 3) // 4
-        gen.set_offset(offset + (blocks + 3) // 4 * 4)  # CUDA generators want multiples of 4
-        seed = gen.initial_seed()
-    else:
-        seed = int(torch.randint(-2**63, 2**63 - 1, (), generator=generator, dtype=torch.int64))
-        offset = 0
-    return (seed - 2**64 if seed >= 2**63 else seed), offset
+    return torch.randint(-2**63, 2**63 - 1, (1,), generator=generator, dtype=torch.int64, device=device)
 
 
 def noise_embeddings(tokens, table, alpha, sigma, *, noise=None, drop_mask=None, mask_index=None, generator=None):
-    seed = offset = 0
+    seed_tensor = None
     if noise is None:
-        seed, offset = _philox_seed_offset(generator, table.device, tokens.numel() * table.shape[1])
+        seed_tensor = _philox_seed(generator, table.device)
     elif noise.dtype not in KERNEL_DTYPES:
         noise = noise.float()
     return torch.ops.vqlcmd.noise_embeddings(tokens, table, alpha, sigma, noise, drop_mask,
-                                             -1 if mask_index is None else int(mask_index), seed, offset)
+                                             -1 if mask_index is None else int(mask_index), 0, 0, seed_tensor)
 
 
 def _noise_setup_context(ctx, inputs, output):
-    tokens, table, alpha, sigma, noise, drop_mask, mask_index, seed, offset = inputs
-    ctx.save_for_backward(tokens, table, alpha, sigma, noise, drop_mask)
+    tokens, table, alpha, sigma, noise, drop_mask, mask_index, seed, offset, seed_tensor = inputs
+    ctx.save_for_backward(tokens, table, alpha, sigma, noise, drop_mask, seed_tensor)
     ctx.mask_index, ctx.seed, ctx.offset = mask_index, seed, offset
 
 
 def _noise_backward(ctx, grad):
-    tokens, table, alpha, sigma, noise, drop_mask = ctx.saved_tensors
+    tokens, table, alpha, sigma, noise, drop_mask, seed_tensor = ctx.saved_tensors
     need = ctx.needs_input_grad
     grad_table = grad_alpha = grad_sigma = grad_noise = None
     if need[1]:  # d z / d table: scatter-add of alpha * grad (the case training needs)
@@ -127,11 +119,11 @@ def _noise_backward(ctx, grad):
         if eps is None:  # the counter-based stream regenerates the drawn noise
             zeros, ones = torch.zeros_like(alpha), torch.ones_like(sigma)
             eps = torch.ops.vqlcmd.noise_embeddings(tokens, table, zeros, ones, None, drop_mask, ctx.mask_index,
-                                                    ctx.seed, ctx.offset)
+                                                    ctx.seed, ctx.offset, seed_tensor)
         grad_sigma = (grad.float() * eps.float()).sum((1, 2)).to(sigma.dtype)
     if noise is not None and need[4]:
         grad_noise = (grad.float() * sigma.float()[:, None, None]).to(noise.dtype)
-    return None, grad_table, grad_alpha, grad_sigma, grad_noise, None, None, None, None
+    return None, grad_table, grad_alpha, grad_sigma, grad_noise, None, None, None, None, None
 
 
 # ---- ddim_teacher_step -----------------------------------------------------------------------
@@ -256,7 +248,7 @@ def _register_library() -> None:
     lib = "vqlcmd::"
 
     @torch.library.register_fake(lib + "noise_embeddings")
-    def _(tokens, table, alpha, sigma, noise, drop_mask, mask_index, seed, offset):
+    def _(tokens, table, alpha, sigma, noise, drop_mask, mask_index, seed, offset, seed_tensor=None):
         return table.new_empty((tokens.shape[0], tokens.shape[1], table.shape[1]))
 
     @torch.library.register_fake(lib + "noise_embeddings_backward")
