@@ -14,8 +14,16 @@ namespace {
 
 using cuda::Pack4;
 
+// The table row of token r: [mask] where dropped, else its id (token_ids in dispatch.h).
+__device__ __forceinline__ int64_t token_row(const int64_t* __restrict__ ids, const bool* __restrict__ drop,
+                                             int64_t mask_index, int64_t r) {
+  return drop != nullptr && drop[r] ? mask_index : ids[r];
+}
+
 struct FwdParams {
-  const int64_t* rows;
+  const int64_t* ids;
+  const bool* drop;  // nullptr: no dropping
+  int64_t mask_index;
   const float* alpha;
   const float* sigma;
   int64_t N, M, D, V;
@@ -45,7 +53,7 @@ __global__ void noise_forward_kernel(FwdParams p, const table_t* __restrict__ ta
     const int64_t n0 = 4 * q;
     if constexpr (kPacked) {
       const int64_t r = n0 / p.D, d = n0 - r * p.D;
-      const int64_t row = p.rows[r];
+      const int64_t row = token_row(p.ids, p.drop, p.mask_index, r);
       const bool ok = row_in_range(row, p.V);
       if (!ok && p.bad) *p.bad = 1;
       Pack4<table_t> e{}, z;
@@ -68,7 +76,7 @@ __global__ void noise_forward_kernel(FwdParams p, const table_t* __restrict__ ta
         const int64_t n = n0 + j;
         if (n >= total) break;
         const int64_t r = n / p.D, d = n - r * p.D;
-        const int64_t row = p.rows[r];
+        const int64_t row = token_row(p.ids, p.drop, p.mask_index, r);
         const bool ok = row_in_range(row, p.V);
         if (!ok && p.bad) *p.bad = 1;
         const float e = ok ? static_cast<float>(table[row * p.D + d]) : NAN;
@@ -99,12 +107,14 @@ at::Tensor noise_embeddings_cuda(const at::Tensor& tokens, const at::Tensor& tab
                                  const std::optional<at::Tensor>& drop_mask, int64_t mask_index, int64_t seed,
                                  int64_t offset, const std::optional<at::Tensor>& seed_tensor) {
   const c10::cuda::CUDAGuard guard(table.device());
-  const NoiseArgs a = noise_args(tokens, table, alpha, sigma, noise, drop_mask, mask_index);
+  // the kernel picks each token's row itself (no where/fill launches before it)
+  const NoiseArgs a = noise_args(tokens, table, alpha, sigma, noise, drop_mask, mask_index, /*with_rows=*/false);
+  const TokenIds ids = token_ids(tokens, drop_mask, mask_index);
   check_seed_tensor(seed_tensor, table);
   at::Tensor out = at::empty({a.B, a.M, a.D}, table.options());
   if (out.numel() == 0) return out;
   cuda::BadIdFlag bad(table.device());
-  const FwdParams p{a.rows.data_ptr<int64_t>(), a.alpha.data_ptr<float>(), a.sigma.data_ptr<float>(),
+  const FwdParams p{ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, a.alpha.data_ptr<float>(), a.sigma.data_ptr<float>(),
                     a.B * a.M, a.M, a.D, a.V, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
                     seed_tensor.has_value() ? seed_tensor->data_ptr<int64_t>() : nullptr, bad.ptr()};
   VQLCMD_DISPATCH_FLOAT(table.scalar_type(), "noise_embeddings_cuda", [&] {
@@ -148,7 +158,8 @@ __device__ __forceinline__ void atomic_add(float* p, const float (&v)[1]) { atom
 
 // hot_row: -1, or a row whose sum is kept in shared memory (D floats).
 template <typename grad_t, int kPack>
-__global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ rows,
+__global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ ids,
+                                             const bool* __restrict__ drop, int64_t mask_index,
                                              const float* __restrict__ alpha, float* __restrict__ out, int64_t N,
                                              int64_t M, int64_t D, int64_t V, int64_t hot_row, int* bad) {
   extern __shared__ float hot[];
@@ -179,7 +190,7 @@ __global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, co
 #pragma unroll
     for (int i = 0; i < kTokensPerThread; ++i) {
       const bool in = r0 + i < N;
-      row[i] = in ? rows[r0 + i] : -1;
+      row[i] = in ? token_row(ids, drop, mask_index, r0 + i) : -1;
       scale[i] = in ? alpha[b] : 0.0f;
       if (++m == M) {  // the next token starts batch b + 1
         m = 0;
@@ -299,10 +310,11 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
                                           const at::Tensor& alpha, int64_t num_rows, bool deterministic) {
   const c10::cuda::CUDAGuard guard(grad.device());
   check_float_kind(grad, "grad");
-  const at::Tensor rows = token_rows(tokens, drop_mask, mask_index);
+  // the atomic kernel picks each token's row itself; the sorted one needs the rows to sort
+  const TokenIds ids = token_ids(tokens, drop_mask, mask_index);
   TORCH_CHECK(grad.dim() == 3 && grad.size(0) == tokens.size(0) && grad.size(1) == tokens.size(1),
               "grad must be (B, M, D), got ", grad.sizes());
-  const int64_t N = rows.numel(), M = tokens.size(1), D = grad.size(2);
+  const int64_t N = ids.ids.numel(), M = tokens.size(1), D = grad.size(2);
   at::Tensor out = at::zeros({num_rows, D}, grad.options().dtype(at::kFloat));
   if (N == 0 || D == 0) return out;
   const at::Tensor g = grad.contiguous();
@@ -311,7 +323,8 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
   const cudaStream_t stream = cuda::current_stream();
   VQLCMD_DISPATCH_FLOAT(g.scalar_type(), "noise_embeddings_backward_cuda", [&] {
     if (deterministic) {
-      const auto [sorted, order] = at::sort(rows, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+      const auto [sorted, order] =
+          at::sort(token_rows(tokens, drop_mask, mask_index), /*stable=*/true, /*dim=*/0, /*descending=*/false);
       // every position pass 2 reads is a piece start that pass 1 wrote: no zero-fill
       const at::Tensor pieces = at::empty({N, D}, grad.options().dtype(at::kFloat));
       const auto column_blocks = static_cast<unsigned>(std::min<int64_t>((D + 127) / 128, 65535));
@@ -333,10 +346,12 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
       const int blocks = atomic_backward_blocks(chunks * (packed ? D / 4 : D), hot);
       if (packed) {
         noise_backward_atomic_kernel<scalar_t, 4><<<blocks, cuda::kThreads, smem, stream>>>(
-            gp, rows.data_ptr<int64_t>(), al.data_ptr<float>(), op, N, M, D, num_rows, hot_row, bad.ptr());
+            gp, ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, al.data_ptr<float>(), op, N, M, D, num_rows, hot_row,
+            bad.ptr());
       } else {
         noise_backward_atomic_kernel<scalar_t, 1><<<blocks, cuda::kThreads, smem, stream>>>(
-            gp, rows.data_ptr<int64_t>(), al.data_ptr<float>(), op, N, M, D, num_rows, hot_row, bad.ptr());
+            gp, ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, al.data_ptr<float>(), op, N, M, D, num_rows, hot_row,
+            bad.ptr());
       }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();

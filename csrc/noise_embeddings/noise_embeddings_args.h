@@ -6,7 +6,7 @@
 namespace vqlcmd {
 
 struct NoiseArgs {
-  at::Tensor rows;   // (B*M,) int64 table row per token, after dropping
+  at::Tensor rows;   // (B*M,) int64 table row per token, after dropping (undefined when !with_rows)
   at::Tensor table;  // (V, D) contiguous
   at::Tensor alpha, sigma;  // (B,) float32
   std::optional<at::Tensor> noise;  // (B, M, D) contiguous, or drawn in the kernel
@@ -15,11 +15,16 @@ struct NoiseArgs {
 
 inline NoiseArgs noise_args(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& alpha,
                             const at::Tensor& sigma, const std::optional<at::Tensor>& noise,
-                            const std::optional<at::Tensor>& drop_mask, int64_t mask_index) {
+                            const std::optional<at::Tensor>& drop_mask, int64_t mask_index,
+                            bool with_rows = true) {
   check_float_kind(table, "table");
   TORCH_CHECK(table.dim() == 2, "table must be (V, D), got ", table.sizes());
   NoiseArgs a;
-  a.rows = token_rows(tokens, drop_mask, mask_index);
+  if (with_rows) {
+    a.rows = token_rows(tokens, drop_mask, mask_index);
+  } else {
+    check_token_inputs(tokens, drop_mask, mask_index);
+  }
   a.B = tokens.size(0);
   a.M = tokens.size(1);
   a.V = table.size(0);
