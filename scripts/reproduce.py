@@ -131,19 +131,25 @@ def evaluate(pipe, method: str, steps: int, sampler: str, seed: int, args) -> di
     return out
 
 
-def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
-    """Train (or reuse) one row x seed and evaluate it; returns the new result records."""
-    from vqlcmd.engine.trainer import Trainer
-
-    ds, cfg, run_dir = row_config(row, seed, args)
-    method = cfg.method
+def pending_evals(row: str, seed: int, args, done) -> list[tuple]:
+    """The (kind, sample steps, sampler) evaluations of one row x seed that results.jsonl lacks."""
+    method = ROWS[row][1].get("method", "vqlcmd")
     evals = [("main", args.main_steps_maskgit if method == "maskgit" else args.main_steps,
               "maskgit" if method == "maskgit" else "ancestral")]
     if row in FEW_STEP_ROWS and not args.no_few_steps:
         evals += [("few_steps", n, "maskgit" if method == "maskgit" else "ddim") for n in args.few_steps]
-    todo = [e for e in evals if (row, seed, args.steps, args.batch, *e) not in done]
+    return [e for e in evals if (row, seed, args.steps, args.batch, *e) not in done]
+
+
+def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
+    """Train (or reuse) one row x seed and evaluate it; returns the new result records."""
+    from vqlcmd.engine.trainer import Trainer
+
+    todo = pending_evals(row, seed, args, done)
     if not todo:
         return []
+    ds, cfg, run_dir = row_config(row, seed, args)
+    method = cfg.method
     t0 = time.perf_counter()
     with open(args.out / "train.log", "a") as f:
         trainer = Trainer(ds, cfg, log=lambda *a, **k: print(*a, file=f, flush=True))
@@ -352,6 +358,11 @@ def main(argv=None) -> int:
 
     # seed-major: an interrupted run still has every row for the first seeds
     jobs = [] if args.report_only else [(row, seed) for seed in args.seeds for row in args.rows]
+    # finished runs get no job (with --jobs, each job is a fresh process that imports torch first)
+    finished = [job for job in jobs if not pending_evals(*job, args, done)]
+    if finished:
+        log(f"{len(finished)} of {len(jobs)} runs already in {results}: not rerun")
+        jobs = [job for job in jobs if job not in finished]
     for new in _run_jobs(jobs, args, done, log):
         with open(results, "a") as f:
             for rec in new:

@@ -34,6 +34,7 @@ def test_reproduce_quick_runs_every_row(tiny_config, tmp_path):
     # a second invocation reuses the finished runs instead of training again
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and len((out / "results.jsonl").read_text().splitlines()) == len(records)
+    assert f"{len(mod.ROWS)} of {len(mod.ROWS)} runs already in" in again.stdout
 
 
 def test_reproduce_parallel_jobs_and_time_limit(tiny_config, tmp_path):
@@ -51,5 +52,8 @@ def test_reproduce_parallel_jobs_and_time_limit(tiny_config, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert late.returncode == 0, late.stderr[-3000:]
     assert "not started" in late.stdout and "no_rd" in late.stdout
+    assert "2 of 3 runs already in" in late.stdout  # no worker process for the finished runs
+    line = next(line for line in late.stdout.splitlines() if "not started" in line)
+    assert "1 runs not started" in line and "no_cm" not in line, line
     assert len((out / "results.jsonl").read_text().splitlines()) == len(records)
     assert "VQ-LCMD w/o L_CM" in (out / "tables.md").read_text()
