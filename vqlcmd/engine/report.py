@@ -7,9 +7,17 @@ import time
 import torch
 
 
+def on_digits(trainer) -> bool:
+    """Whether the run trains on the embedded digits: named in the config, or its shards given by path
+    (as ``scripts/reproduce.py`` does), recognised by the source their header records."""
+    from ..data.digits import DIGITS_SOURCE
+
+    return trainer.cfg.data.dataset == "digits" or trainer.header.get("source") == DIGITS_SOURCE
+
+
 def final_report(trainer, per_class: int = 50) -> dict:
     """Samples ``per_class`` images per class with the config's sampling defaults, saves the grid and
-    (for the embedded digits data set) prints accuracy and within-class spread."""
+    (for the embedded digits data set, see ``on_digits``) prints accuracy and within-class spread."""
     from torchvision.utils import save_image
 
     pipe = trainer.pipeline()
@@ -31,7 +39,7 @@ def final_report(trainer, per_class: int = 50) -> dict:
     report = {"step": trainer.step, "grid": str(grid),
               "collapse_indicator": collapse_indicator(trainer.net.embedding.table()[:K]), "num_steps": s.num_steps, "guidance_scale": s.guidance_scale,
               "sampler": s.sampler, "sampling_seconds": round(seconds, 1)}
-    if trainer.cfg.data.dataset == "digits":
+    if on_digits(trainer):
         from ..metrics.digits import evaluate_digit_samples
 
         report.update(evaluate_digit_samples(images, labels))

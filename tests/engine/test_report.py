@@ -1,0 +1,32 @@
+"""The end-of-run report (scripts/train.py --evaluate): grid, report.json, and the digits verdict."""
+import json
+
+from PIL import Image
+
+from vqlcmd.data.digits import DIGITS_SOURCE
+from vqlcmd.engine.config import load_config
+from vqlcmd.engine.report import final_report, on_digits
+from vqlcmd.engine.trainer import Trainer
+
+SCORES = ("accuracy", "spread_ratio", "num_samples")
+
+
+def test_report_writes_grid_and_json_and_scores_digits_shards_given_by_path(tiny_config, capsys):
+    ds, cfg = load_config(str(tiny_config(steps=2)))
+    trainer = Trainer(ds, cfg, log=lambda *a, **k: None)
+    trainer.train(progress=False)
+    # the tiny digits' shards carry no source: no digits verdict, the rest of the report is there
+    assert not on_digits(trainer)
+    report = final_report(trainer, per_class=2)
+    assert not set(SCORES) & set(report)
+    saved = json.loads((trainer.out_dir / "report.json").read_text())
+    assert saved == report and saved["step"] == 2 and saved["collapse_indicator"] > 0
+    with Image.open(saved["grid"]) as grid:  # 4 classes x 2 samples of 16 px, 10 to a row: one row of 8
+        assert grid.size == (8 * 17 + 1, 17 + 1)
+    # shards given by path but written from the digits (their header says so) get the verdict too,
+    # as scripts/reproduce.py's runs do
+    trainer.header["source"] = DIGITS_SOURCE
+    assert on_digits(trainer)
+    report = final_report(trainer, per_class=2)
+    assert report["num_samples"] == 8 and 0.0 <= report["accuracy"] <= 1.0 and report["spread_ratio"] >= 0
+    assert "classifier accuracy" in capsys.readouterr().out
