@@ -424,12 +424,20 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
 _TORCH_DTYPE = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16, tl.float32: torch.float32}
 
 
+# torch.mm(..., out_dtype=float32) for 16-bit operands (CUDA) exists from PyTorch 2.8 on
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out")
+
+
 def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a @ b with float32 output: 16-bit operands (CUDA only, by ``dot_dtype``) through cuBLAS's
-    float32-output GEMM, so dP keeps float32 before ``dP − delta`` cancels most of it."""
+    float32-output GEMM, so dP keeps float32 before ``dP − delta`` cancels most of it. Without that
+    overload the product is rounded to the operands' dtype first, as PyTorch's own backward does."""
     if a.dtype == torch.float32:
         return torch.mm(a, b, out=out)
-    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    if _MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    product = torch.mm(a, b).float()
+    return product if out is None else out.copy_(product)
 
 
 def _chunked_forward(logits, uncond, table, guidance, guided, out, lse, dot):

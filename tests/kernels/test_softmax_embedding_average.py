@@ -378,3 +378,15 @@ def test_gpu_tiles_compile_for_h100_without_a_gpu():
     result = subprocess.run([sys.executable, "-m", "vqlcmd.kernels.aot_check", "--quick"], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_chunked_products_without_the_float32_output_overload(sea, monkeypatch):
+    # before PyTorch 2.8 there is no torch.mm(..., out_dtype=float32): the product is rounded to the
+    # 16-bit operands' dtype, then widened (into ``out`` when given)
+    monkeypatch.setattr(sea, "_MM_OUT_DTYPE", False)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(33, 20, generator=g).bfloat16(), torch.randn(20, 7, generator=g).bfloat16()
+    expected = (a.float() @ b.float()).bfloat16().float()
+    out = torch.empty(33, 7)
+    assert sea._mm_float32(a, b, out=out) is out and torch.equal(out, expected)
+    assert sea._mm_float32(a, b).dtype == torch.float32
