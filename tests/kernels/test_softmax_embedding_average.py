@@ -217,8 +217,11 @@ def test_only_logits_need_gradient(device):
     assert_close(logits.grad, expected.grad, torch.float32)
 
 
-def test_masked_classes_are_ignored(device):
+@pytest.mark.parametrize("variant", ["fused", "chunked"])
+def test_masked_classes_are_ignored(variant, device, monkeypatch):
     # -inf logits (masked classes), including a whole first K tile, give no NaN
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", variant)
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "chunked" if variant == "chunked" else "split")
     logits, table = make((20,), 600, 16, torch.float32, device)
     logits[:, :300] = float("-inf")
     logits[3, 450:] = float("-inf")
