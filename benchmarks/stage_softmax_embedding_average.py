@@ -125,6 +125,9 @@ def run(ctx: Context) -> list:
         leaves = [x.detach().requires_grad_() for x in (logits, table)]
         esize = logits.element_size()
         fwd_gbs = (N * K + K * D + N * D) * esize / 1e9  # least traffic of the forward
+        # the three products of fwd+bwd (P·table, dY·tableᵀ, Pᵀ·dY), to read how close each backend
+        # runs to the card's matrix throughput
+        fwd_bwd_gflop = 3 * 2 * N * K * D / 1e9
         for name, (average, guided) in backends.items():
             common = dict(stage=STAGE, backend=name, shape=shape, dtype=str(dtype)[6:], baseline=BASELINE, graph=True)
 
@@ -153,7 +156,9 @@ def run(ctx: Context) -> list:
                     saved = activation_bytes(average, *leaves)
             except Exception:  # noqa: BLE001: the figure is optional; the timing below still runs
                 saved = -1
-            run_case(ctx, out, case="fwd+bwd", fn=fwd_bwd, extra=lambda t, s=saved: {"activation_bytes": s}, **common)
+            run_case(ctx, out, case="fwd+bwd", fn=fwd_bwd, **common,
+                     extra=lambda t, s=saved: {"activation_bytes": s,
+                                               "TFLOP/s": round(fwd_bwd_gflop / t.median_ms, 3)})
             if not only_backward:
                 run_case(ctx, out, case="guided", fn=guided_fwd,
                          extra=lambda t: {"GB/s": (fwd_gbs + N * K * esize / 1e9) / t.median_ms * 1e3}, **common)
