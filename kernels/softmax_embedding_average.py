@@ -57,6 +57,29 @@ from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fused_f
 
 
 @triton.jit
+def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.constexpr):
+    """The float32 scores of a (rows, BLOCK_K) tile, -inf past K."""
+    s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
+    if GUIDED:
+        # (1+ω) log P(·|y) − ω log P(·|∅) differs from (1+ω) c − ω u by a per-row constant,
+        # which the renormalising softmax removes (VQ-LCMD.md, classifier-free guidance).
+        u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
+        s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
+    return tl.where(k_in[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax_step(m_i, l_i, s):
+    """One tile of the online softmax: (new running max, rescale of the old terms, exp(s − max), new sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A tile of -inf logits (masked classes) leaves m_new = -inf; shifting by 0 keeps exp() NaN-free.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _forward_kernel(
     logits_ptr, uncond_ptr, table_ptr, out_ptr, lse_ptr,
     N, K, D, guidance,
@@ -75,19 +98,8 @@ def _forward_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks < K
-        s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
-        if GUIDED:
-            # (1+ω) log P(·|y) − ω log P(·|∅) differs from (1+ω) c − ω u by a per-row constant,
-            # which the renormalising softmax removes (VQ-LCMD.md, classifier-free guidance).
-            u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
-            s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
-        s = tl.where(k_in[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A tile of -inf logits (masked classes) leaves m_new = -inf; shifting by 0 keeps exp() NaN-free.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED)
+        m_new, alpha, p, l_i = _online_softmax_step(m_i, l_i, s)
         t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & (cols < D)[None, :],
                     other=0.0)
         acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc * alpha[:, None], input_precision="tf32x3")
@@ -266,26 +278,14 @@ def _chunk_probs_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_in = ks < K
-        s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
-        if GUIDED:  # as in _forward_kernel
-            u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
-            s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
-        s = tl.where(k_in[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
-        m_i = m_new
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, ks < K, guidance, GUIDED)
+        m_i, _, _, l_i = _online_softmax_step(m_i, l_i, s)
     lse = m_i + tl.log(l_i)
     tl.store(lse_ptr + rows, lse, mask=row_in)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks < K
-        s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
-        if GUIDED:
-            u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
-            s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
-        p = tl.exp(s - lse[:, None])
+        p = tl.exp(_score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED) - lse[:, None])
         tl.store(p_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], p.to(DOT_DTYPE),
                  mask=row_in[:, None] & k_in[None, :])
 
