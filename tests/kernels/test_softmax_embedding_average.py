@@ -79,18 +79,23 @@ def backward_kernels(sea, variant, N, D, dot):
     return ["fused_backward"] if variant == "fused" and sea.fused_fits(D, dot) else ["grad_logits", "grad_table"]
 
 
+def assert_matches_reference(lead, K, D, dtype, device):
+    """Output and both gradients (non-unit upstream) of the triton backend against the reference; returns
+    the inputs (logits, table)."""
+    logits, table = make(lead, K, D, dtype, device)
+    upstream = torch.randn(*lead, D, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    for ours, theirs in zip(grads(triton_average, logits, table, upstream),
+                            grads(reference.softmax_embedding_average, logits, table, upstream)):
+        assert_close(ours, theirs, dtype)
+    return logits, table
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D", SHAPES)
 def test_output_and_gradients_match_reference(lead, K, D, dtype, variant, device, sea, launched, monkeypatch):
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
-    logits, table = make(lead, K, D, dtype, device)
-    upstream = torch.randn(*lead, D, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
-    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
-    assert_close(out, ref, dtype)
-    assert_close(g_logits, r_logits, dtype)
-    assert_close(g_table, r_table, dtype)
+    logits, _ = assert_matches_reference(lead, K, D, dtype, device)
     if not torch.cuda.is_available():  # on a GPU fp32 never takes the fused kernel, and chunks are larger
         assert launched == ["forward", *backward_kernels(sea, variant, logits[..., 0].numel(), D, None)]
 
@@ -102,13 +107,7 @@ def test_chunked_forward_matches_reference(lead, K, D, dtype, device, sea, launc
     # and the log-sum-exp it saves
     monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "chunked")
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "chunked")
-    logits, table = make(lead, K, D, dtype, device)
-    upstream = torch.randn(*lead, D, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
-    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
-    assert_close(out, ref, dtype)
-    assert_close(g_logits, r_logits, dtype)
-    assert_close(g_table, r_table, dtype)
+    logits, table = assert_matches_reference(lead, K, D, dtype, device)
     _, lse = sea.forward(logits.reshape(-1, K), table)
     torch.testing.assert_close(lse, logits.reshape(-1, K).float().logsumexp(-1), rtol=1e-5, atol=1e-5)
     if not torch.cuda.is_available():

@@ -210,9 +210,7 @@ def test_philox_noise_cuda_equals_cpu(D):
     keyed = torch.ops.vqlcmd.noise_embeddings(tokens, table, torch.zeros(8, device=CUDA), torch.ones(8, device=CUDA),
                                               None, None, -1, 0, 12, torch.tensor([987654321], device=CUDA))
     assert torch.equal(keyed, draws[1])
-    eps = draws[1].double()
-    n = eps.numel()  # 5-sigma bounds for the mean and variance of n standard normals
-    assert abs(eps.mean().item()) < 5 / n**0.5 and abs(eps.var().item() - 1) < 5 * (2 / n) ** 0.5
+    assert_standard_normal(draws[1])
 
 
 def test_noise_cuda_generator_reproduces_and_advances():
@@ -262,6 +260,26 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.vqlcmd.categorical_kl.default, (t, s.requires_grad_(), True))
 
 
+def capture(step):
+    """(graph, its outputs): ``step`` warmed up on a side stream, as CUDA graphs need, then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
+def assert_standard_normal(eps):
+    """5-sigma bounds for the mean and variance of standard normal draws."""
+    eps = eps.double()
+    n = eps.numel()
+    assert abs(eps.mean().item()) < 5 / n**0.5 and abs(eps.var().item() - 1) < 5 * (2 / n) ** 0.5
+
+
 def test_drawn_noise_is_new_at_every_cuda_graph_replay():
     """The Philox key is drawn on the device inside the graph, so each replay draws new noise."""
     tokens = torch.zeros(8, 64, dtype=torch.long, device=CUDA)
@@ -271,14 +289,7 @@ def test_drawn_noise_is_new_at_every_cuda_graph_replay():
     def step():
         return ops.noise_embeddings(tokens, table, a, s, backend="compiled")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step)
     draws = []
     for _ in range(2):
         graph.replay()
@@ -286,9 +297,7 @@ def test_drawn_noise_is_new_at_every_cuda_graph_replay():
     torch.cuda.synchronize()
     assert not torch.equal(draws[0], draws[1])
     for eps in draws:
-        eps = eps.double()
-        n = eps.numel()
-        assert abs(eps.mean().item()) < 5 / n**0.5 and abs(eps.var().item() - 1) < 5 * (2 / n) ** 0.5
+        assert_standard_normal(eps)
 
 
 def test_compiled_ops_replay_in_a_cuda_graph():
@@ -305,14 +314,7 @@ def test_compiled_ops_replay_in_a_cuda_graph():
         return z, ops.ddim_teacher_step(tokens, table, z, *coef, backend="compiled")
 
     eager = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step)
     noise.normal_(generator=g)  # replays read the new noise through the captured pointers
     expected = (ops.noise_embeddings(tokens, table, coef[0], coef[1], noise=noise, backend="reference"),)
     graph.replay()
