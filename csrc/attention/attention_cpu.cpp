@@ -87,11 +87,7 @@ struct HeadView {
       const T* row = p + i * sm;
       float* o = out + i * hd;
       if (sd == 1) {
-        if constexpr (std::is_same_v<T, float>) {
-          std::copy(row, row + hd, o);
-        } else {
-          at::vec::convert(row, o, hd);
-        }
+        cpu::convert_row(row, o, hd);
       } else {
         for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<float>(row[d * sd]);
       }
@@ -108,15 +104,7 @@ HeadView<T> head_view(const at::Tensor& x) {
 template <typename T>
 void scatter_head(const float* src, T* dst, int64_t b, int64_t h, int64_t M, int64_t H, int64_t hd) {
   T* p = dst + ((b * M) * H + h) * hd;
-  for (int64_t i = 0; i < M; ++i) {
-    const float* s = src + i * hd;
-    T* o = p + i * H * hd;
-    if constexpr (std::is_same_v<T, float>) {
-      std::copy(s, s + hd, o);
-    } else {
-      at::vec::convert(s, o, hd);
-    }
-  }
+  for (int64_t i = 0; i < M; ++i) cpu::convert_row(src + i * hd, p + i * H * hd, hd);
 }
 
 // Softmax of each row of s (M, M) in place; returns each row's log-sum-exp.

@@ -43,6 +43,16 @@ inline void store_row(const float* src, T* dst, int64_t n) {
   if constexpr (!std::is_same_v<T, float>) at::vec::convert(src, dst, n);
 }
 
+// n values from src to dst, converting where the types differ (float32 <-> bf16/fp16).
+template <typename S, typename D>
+inline void convert_row(const S* src, D* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, D>) {
+    std::copy(src, src + n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
 inline float reduce_sum(Vec v) {
   alignas(64) float lanes[Vec::size()];
   v.store(lanes);
