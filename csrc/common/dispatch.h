@@ -50,7 +50,7 @@ inline at::Tensor token_rows(const at::Tensor& tokens, const std::optional<at::T
 struct TokenIds {
   at::Tensor ids;   // (B*M,) int64
   at::Tensor drop;  // (B*M,) bool, or undefined
-  int64_t mask_index;
+  int64_t mask_index = -1;
   const int64_t* ids_ptr() const { return ids.data_ptr<int64_t>(); }
   const bool* drop_ptr() const { return drop.defined() ? drop.data_ptr<bool>() : nullptr; }
 };

@@ -109,12 +109,11 @@ at::Tensor noise_embeddings_cuda(const at::Tensor& tokens, const at::Tensor& tab
   const c10::cuda::CUDAGuard guard(table.device());
   // the kernel picks each token's row itself (no where/fill launches before it)
   const NoiseArgs a = noise_args(tokens, table, alpha, sigma, noise, drop_mask, mask_index, /*with_rows=*/false);
-  const TokenIds ids = token_ids(tokens, drop_mask, mask_index);
   check_seed_tensor(seed_tensor, table);
   at::Tensor out = at::empty({a.B, a.M, a.D}, table.options());
   if (out.numel() == 0) return out;
   cuda::BadIdFlag bad(table.device());
-  const FwdParams p{ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, a.alpha.data_ptr<float>(), a.sigma.data_ptr<float>(),
+  const FwdParams p{a.ids.ids_ptr(), a.ids.drop_ptr(), a.ids.mask_index, a.alpha.data_ptr<float>(), a.sigma.data_ptr<float>(),
                     a.B * a.M, a.M, a.D, a.V, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
                     seed_tensor.has_value() ? seed_tensor->data_ptr<int64_t>() : nullptr, bad.ptr()};
   VQLCMD_DISPATCH_FLOAT(table.scalar_type(), "noise_embeddings_cuda", [&] {

@@ -7,6 +7,7 @@ namespace vqlcmd {
 
 struct NoiseArgs {
   at::Tensor rows;   // (B*M,) int64 table row per token, after dropping (undefined when !with_rows)
+  TokenIds ids;      // the ids and drop flags instead, for kernels that pick rows (when !with_rows)
   at::Tensor table;  // (V, D) contiguous
   at::Tensor alpha, sigma;  // (B,) float32
   std::optional<at::Tensor> noise;  // (B, M, D) contiguous, or drawn in the kernel
@@ -23,7 +24,7 @@ inline NoiseArgs noise_args(const at::Tensor& tokens, const at::Tensor& table, c
   if (with_rows) {
     a.rows = token_rows(tokens, drop_mask, mask_index);
   } else {
-    check_token_inputs(tokens, drop_mask, mask_index);
+    a.ids = token_ids(tokens, drop_mask, mask_index);
   }
   a.B = tokens.size(0);
   a.M = tokens.size(1);
