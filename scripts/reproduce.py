@@ -359,10 +359,10 @@ def main(argv=None) -> int:
     # seed-major: an interrupted run still has every row for the first seeds
     jobs = [] if args.report_only else [(row, seed) for seed in args.seeds for row in args.rows]
     # finished runs get no job (with --jobs, each job is a fresh process that imports torch first)
-    finished = [job for job in jobs if not pending_evals(*job, args, done)]
-    if finished:
-        log(f"{len(finished)} of {len(jobs)} runs already in {results}: not rerun")
-        jobs = [job for job in jobs if job not in finished]
+    pending = [job for job in jobs if pending_evals(*job, args, done)]
+    if len(pending) < len(jobs):
+        log(f"{len(jobs) - len(pending)} of {len(jobs)} runs already in {results}: not rerun")
+    jobs = pending
     for new in _run_jobs(jobs, args, done, log):
         with open(results, "a") as f:
             for rec in new:
