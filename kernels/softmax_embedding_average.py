@@ -33,9 +33,12 @@ forward writes a chunk's P (and lse) and multiplies it by the table; the backwar
 dP = dY·tableᵀ in float32, then one elementwise pass reads the logits once, writes dlogits once and
 writes P for dtable += Pᵀ·dY. A chunk's P and dP (``chunk_rows``: 24 MiB, 4096 rows at K = 1024)
 are meant to live in L2, so the traffic to memory is about the fused kernels' (logits in, dlogits
-out), and only the log-sum-exp is saved for the backward, as before. Not yet timed on a GPU: they
-become the default only once ``benchmarks/run.py --stage softmax_embedding_average`` (the
-``triton-chunked`` rows) shows them faster.
+out), and only the log-sum-exp is saved for the backward, as before. Measured on an H100 (same
+shape, profiler kernel sums): 426 µs fwd+bwd against 282 for the default kernels and 325 for
+eager. cuBLAS runs the 4096-row chunk products at 190-325 TFLOP/s, well below its ~490 on whole
+matrices, and the float32 dtable additions add 18 µs. The chunked forward took 0.127 ms with
+4096-row chunks, 0.182 with 2048 and 0.096 with 8192, against 0.070 for the fused one. So they stay
+opt-in, kept for cards or cuBLAS versions where that balance differs.
 
 Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
 Under TRITON_INTERPRET=1 (the CPU tests) the interpreter keeps bfloat16 as raw 16-bit

@@ -1,0 +1,96 @@
+"""Tile sweep of the Triton softmax_embedding_average kernels, one kernel at a time (GPU only).
+
+    python benchmarks/triton_tiles.py [--n 32768 --k 1024 --d 256] [--budget-s 100]
+
+Times every configuration the autotuner knows (``kernels/_launch.py``'s ``_CONFIGS``) plus the
+extra candidates below, each kernel launched alone and timed by CUDA-graph replay
+(``triton.testing.do_bench_cudagraph``), and prints the autotuner's own pick beside them: the
+check to run on a new card before editing ``_CONFIGS``. On an H100 at the goal shape (bf16) no
+extra candidate beat the autotuner's picks by more than 1.5% (benchmarks/results/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages) beyond _CONFIGS: bigger and deeper tiles
+EXTRA = {
+    "forward": [(128, 64, 256, 8, 2), (128, 128, 256, 8, 2), (64, 64, 256, 4, 4), (128, 64, 256, 4, 3),
+                (64, 32, 256, 4, 4), (128, 32, 256, 4, 4)],
+    "grad_logits": [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3),
+                    (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
+    "grad_table": [(128, 128, 256, 8, 2), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 256, 128, 8, 2),
+                   (128, 128, 128, 8, 4), (32, 128, 256, 8, 4)],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=32768)
+    parser.add_argument("--k", type=int, default=1024)
+    parser.add_argument("--d", type=int, default=256)
+    parser.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping after this long")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("triton_tiles.py times GPU kernels: no CUDA device here")
+    import triton
+    import triton.language as tl
+    from triton.testing import do_bench_cudagraph
+
+    import kernels.softmax_embedding_average as sea
+    from kernels import _launch
+
+    N, K, D = args.n, args.k, args.d
+    dev = torch.device("cuda")
+    g = torch.Generator(dev).manual_seed(0)
+    logits = (3 * torch.randn(N, K, device=dev, generator=g)).bfloat16()
+    table = torch.randn(K, D, device=dev, generator=g).bfloat16()
+    dy = torch.randn(N, D, device=dev, generator=g).bfloat16()
+    out, lse = sea.forward(logits, table)  # the public launchers autotune, so their picks can be printed
+    sea.backward(dy, out, lse, logits, table)
+    delta, grad_logits = torch.empty(N, device=dev), torch.empty_like(logits)
+    dst = torch.zeros(K, D, device=dev)
+    n_split = _launch.splits(N)
+
+    def launcher(name, cfg):
+        m, k, d, warps, stages = cfg
+        blk = dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d, num_warps=warps, num_stages=stages, DOT_DTYPE=tl.bfloat16)
+        if name == "forward":
+            return lambda: sea._forward_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
+                logits, logits, table, out, lse, N, K, D, 0.0, GUIDED=False, **blk)
+        if name == "grad_logits":
+            return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
+                logits, table, dy, lse, delta, grad_logits, N, K, D, **blk)
+        return lambda: sea._grad_table_kernel[(triton.cdiv(K, k), triton.cdiv(D, d), n_split)](
+            logits, dy, lse, dst, N, K, D, triton.cdiv(N, n_split), ATOMIC=True, **blk)
+
+    start = time.time()
+    print(f"# {torch.cuda.get_device_name()} | triton {triton.__version__} | N={N} K={K} D={D} bf16")
+    for name, extra in EXTRA.items():
+        print(f"== {name}: autotuner picked {getattr(sea._TUNED[name](tl.bfloat16), 'best_config', None)}")
+        rows = []
+        for cfg in dict.fromkeys(_launch._CONFIGS[(name, 16)] + extra):
+            if time.time() - start > args.budget_s:
+                print("  (time budget spent)")
+                break
+            try:
+                fn = launcher(name, cfg)
+                fn()
+                torch.cuda.synchronize()
+                rows.append((do_bench_cudagraph(fn, rep=30) * 1e3, str(cfg)))
+            except Exception as exc:  # noqa: BLE001: a tile that does not fit is a result too
+                rows.append((float("inf"), f"{cfg} {type(exc).__name__}: {str(exc)[:80]}"))
+        for us, cfg in sorted(rows, key=lambda r: r[0]):
+            print(f"  {us:8.1f} us  {cfg}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
