@@ -5,7 +5,8 @@ inputs' dtype, which keeps the (N, K) probabilities for the backward; ``compile`
 ``torch.compile`` of the same function; ``triton`` is ``vqlcmd.ops`` with ``backend="triton"`` and
 its default kernels (the one-pass forward; separate dlogits and dtable kernels in the backward);
 ``triton-fused`` is the same with ``VQLCMD_TRITON_BACKWARD=fused`` (one FlashAttention-2-style
-backward kernel), timed for ``fwd+bwd`` only, the one case it changes; ``triton-chunked`` sets
+backward kernel) and ``triton-mm`` with ``VQLCMD_TRITON_BACKWARD=mm`` (the dlogits kernel also
+writes P, cuBLAS computes dtable), each timed for ``fwd+bwd`` only, the one case it changes; ``triton-chunked`` sets
 ``VQLCMD_TRITON_FORWARD`` and ``VQLCMD_TRITON_BACKWARD`` to ``chunked`` (the softmax parts in
 Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` sets the chunk). So
 one GPU run says which variant is faster.
@@ -33,7 +34,8 @@ BASELINE = "eager"
 GUIDANCE = 1.0
 # triton backends -> the (forward, backward) variants they run ($VQLCMD_TRITON_FORWARD and
 # $VQLCMD_TRITON_BACKWARD, read at each call)
-VARIANTS = {"triton": ("fused", "split"), "triton-fused": ("fused", "fused"), "triton-chunked": ("chunked", "chunked")}
+VARIANTS = {"triton": ("fused", "split"), "triton-fused": ("fused", "fused"), "triton-chunked": ("chunked", "chunked"),
+            "triton-mm": ("fused", "mm")}
 VARIANT_ENVS = ("VQLCMD_TRITON_FORWARD", "VQLCMD_TRITON_BACKWARD")
 
 
@@ -147,7 +149,7 @@ def run(ctx: Context) -> list:
                 with torch.no_grad(), triton_variants(variants):
                     return guided(logits, uncond, table, GUIDANCE)
 
-            only_backward = name == "triton-fused"  # its forward kernels are triton's
+            only_backward = name in ("triton-fused", "triton-mm")  # their forward kernels are triton's
             if not only_backward:
                 run_case(ctx, out, case="fwd", fn=fwd, extra=lambda t: {"GB/s": fwd_gbs / t.median_ms * 1e3},
                          **common)

@@ -43,7 +43,8 @@ def check(quick: bool) -> list[str]:
 
     if _launch.interpreted:
         raise SystemExit("aot_check: unset TRITON_INTERPRET (the kernels were decorated for the interpreter)")
-    kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)), "grad_logits": (sea._grad_logits_kernel, {}),
+    kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)),
+               "grad_logits": (sea._grad_logits_kernel, dict(STORE_P=True)),
                "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True)),
                "fused_backward": (sea._fused_backward_kernel, dict(ATOMIC=True))}
     # (name, operand width, constexprs, warps, stages, kind)

@@ -40,6 +40,12 @@ matrices, and the float32 dtable additions add 18 µs. The chunked forward took 
 4096-row chunks, 0.182 with 2048 and 0.096 with 8192, against 0.070 for the fused one. So they stay
 opt-in, kept for cards or cuBLAS versions where that balance differs.
 
+The "mm" backward (VQLCMD_TRITON_BACKWARD=mm) takes the one lesson of those numbers that chunking
+did not spoil: cuBLAS is fast on whole matrices. The split dlogits kernel also writes P (N, K) in
+the operand dtype, and cuBLAS computes dtable = Pᵀ·dY in one product, in place of the 113 µs dtable
+kernel. P lives only during the backward. Estimated ~225 µs fwd+bwd on the H100; not yet timed on
+a GPU (the benchmark's ``triton-mm`` rows), so "split" stays the default until it is.
+
 Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
 Under TRITON_INTERPRET=1 (the CPU tests) the interpreter keeps bfloat16 as raw 16-bit
 patterns, so every tile is converted to float32 right after loading and DOT_DTYPE, the
@@ -134,10 +140,12 @@ def _delta_kernel(grad_out_ptr, out_ptr, grad_lse_ptr, delta_ptr, N, D,
 
 @triton.jit
 def _grad_logits_kernel(
-    logits_ptr, table_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_logits_ptr,
+    logits_ptr, table_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_logits_ptr, p_ptr,
     N, K, D,
-    DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_P: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # STORE_P: also write P (the "mm" backward hands Pᵀ·dY to cuBLAS)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -157,7 +165,10 @@ def _grad_logits_kernel(
     p = tl.exp(s - lse[:, None])
     grad = p * (dy_t - delta[:, None])
     mask = (rows < N)[:, None] & k_in[None, :]
-    tl.store(grad_logits_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], grad, mask=mask)
+    offs = rows.to(tl.int64)[:, None] * K + ks[None, :]
+    tl.store(grad_logits_ptr + offs, grad, mask=mask)
+    if STORE_P:
+        tl.store(p_ptr + offs, p.to(DOT_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -295,7 +306,7 @@ def _chunk_probs_kernel(
 
 _TUNED = {
     "forward": Tuned(_forward_kernel, "forward", variants=("GUIDED",)),
-    "grad_logits": Tuned(_grad_logits_kernel, "grad_logits"),
+    "grad_logits": Tuned(_grad_logits_kernel, "grad_logits", variants=("STORE_P",)),
     "grad_table": Tuned(_grad_table_kernel, "grad_table", variants=("ATOMIC",), reset_to_zero=["dst_ptr"]),
     "fused_backward": Tuned(_fused_backward_kernel, "fused_backward", variants=("ATOMIC",),
                             reset_to_zero=["dst_ptr"]),
@@ -355,7 +366,7 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
 
 
 BACKWARD_ENV = "VQLCMD_TRITON_BACKWARD"
-BACKWARD_VARIANTS = ("fused", "split", "chunked")
+BACKWARD_VARIANTS = ("fused", "split", "chunked", "mm")
 
 
 def backward_variant(variant: Optional[str] = None) -> str:
@@ -374,9 +385,16 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     """Gradients of ``forward`` w.r.t. logits (N, K) and table (K, D), in their dtypes (None if not needed).
 
     ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "split") picks the fused kernel, the split
-    ones or the chunked products. "fused" applies when both gradients are needed and the kernel fits
-    (``fused_fits``), else a single gradient takes its own split kernel, which does no work for the
-    other. "chunked" serves any combination and is deterministic whatever ``deterministic`` says.
+    ones, the chunked products or "mm". "fused" applies when both gradients are needed and the kernel
+    fits (``fused_fits``), and so does "mm"; else a single gradient takes its own split kernel, which
+    does no work for the other. "chunked" serves any combination and is deterministic whatever
+    ``deterministic`` says.
+
+    "mm": the dlogits kernel also writes P (N, K) in the operand dtype, and cuBLAS computes
+    dtable = Pᵀ·dY over all rows at once. On an H100 (N = 32768, K = 1024, D = 256, bf16) the dtable
+    kernel took 113 µs where cuBLAS does a product of that size in ~36 µs, and the extra store of P
+    should cost about its 64 MB of writes (~22 µs). P is a transient of the backward (freed when it
+    returns), not a saved activation: the saved tensors stay the log-sum-exp. Deterministic (cuBLAS).
     """
     N, K = logits.shape
     D = table.shape[1]
@@ -396,6 +414,8 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     if variant == "chunked":
         return _chunked_backward(grad_out, lse, logits, table, delta, need_logits, need_table, dot)
     fused = variant == "fused" and need_logits and need_table and fused_fits(D, dot)
+    if variant == "mm" and need_logits and need_table and N:
+        return _mm_backward(grad_out, lse, logits, table, delta, dot)
     grad_logits = torch.empty_like(logits) if need_logits else None
     if need_table:
         n_split = fused_splits(N) if fused else splits(N)
@@ -414,7 +434,8 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
             if need_logits:
                 _launch("grad_logits",
                         lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
-                        N, K, D, (logits, table, grad_out, lse, delta, grad_logits, N, K, D), dot)
+                        N, K, D, (logits, table, grad_out, lse, delta, grad_logits, logits, N, K, D), dot,
+                        STORE_P=False)
             if need_table:
                 _launch("grad_table",
                         lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split),
@@ -441,6 +462,19 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = 
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
     product = torch.mm(a, b).float()
     return product if out is None else out.copy_(product)
+
+
+def _mm_backward(grad_out, lse, logits, table, delta, dot):
+    """Both gradients: dlogits and P from the dlogits kernel, then dtable = Pᵀ·dY by cuBLAS."""
+    N, K = logits.shape
+    D = table.shape[1]
+    p_dtype = _TORCH_DTYPE[dot]
+    grad_logits = torch.empty_like(logits)
+    p = torch.empty((N, K), device=logits.device, dtype=p_dtype)
+    _launch("grad_logits", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
+            N, K, D, (logits, table, grad_out, lse, delta, grad_logits, p, N, K, D), dot, STORE_P=True)
+    grad_table = _mm_float32(p.t(), grad_out.to(p_dtype))
+    return grad_logits, grad_table.to(table.dtype)
 
 
 def _chunked_forward(logits, uncond, table, guidance, guided, out, lse, dot):

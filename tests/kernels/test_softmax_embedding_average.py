@@ -4,8 +4,9 @@ On CPU these run in Triton's interpreter (tests/kernels/conftest.py), so row cou
 the shapes still cross every tile edge: K = 1000 spans several K tiles with a ragged last one,
 257 rows leave a one-row tail block and three dtable row splits (260 rows do at K = 1024, D = 256),
 D = 48 and D = 300 are ragged.
-The three backward variants (the fused kernel, the split kernels, and the chunked one that leaves
-its products to torch.mm; VQLCMD_TRITON_BACKWARD) are run, and the spy ``launched`` checks which
+The four backward variants (the fused kernel, the split kernels, the chunked one that leaves
+its products to torch.mm, and "mm", the split dlogits kernel writing P for a torch.mm dtable;
+VQLCMD_TRITON_BACKWARD) are run, and the spy ``launched`` checks which
 kernels a backward actually took. The chunked variant's chunks are 128 rows under the interpreter.
 """
 import pytest
@@ -69,13 +70,15 @@ def launched(sea, monkeypatch):
     return names
 
 
-VARIANTS = ["fused", "split", "chunked"]
+VARIANTS = ["fused", "split", "chunked", "mm"]
 
 
 def backward_kernels(sea, variant, N, D, dot):
     """What a backward of both gradients launches through ``_launch`` under the interpreter."""
     if variant == "chunked":
         return ["chunk"] * -(-N // 128)
+    if variant == "mm":  # the dtable product is a torch.mm, not a launch
+        return ["grad_logits"]
     return ["fused_backward"] if variant == "fused" and sea.fused_fits(D, dot) else ["grad_logits", "grad_table"]
 
 
@@ -148,6 +151,9 @@ def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, devic
         fused = variant == "fused" and need_logits and need_table and sea.fused_fits(D, sea.dot_dtype(table))
         assert ("fused_backward" in launched) == fused, launched
         assert ("chunk" in launched) == (variant == "chunked"), launched
+        # "mm" with both gradients: the dlogits kernel also writes P, and dtable is a torch.mm
+        mm = variant == "mm" and need_logits
+        assert ("grad_table" in launched) == (need_table and not fused and not mm and variant != "chunked"), launched
 
 
 def test_wide_tables_and_unknown_variants(sea, launched, monkeypatch):
@@ -329,7 +335,8 @@ def test_traces_under_torch_compile(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype,variant", [(torch.bfloat16, "fused"), (torch.bfloat16, "split"),
-                                           (torch.bfloat16, "chunked"), (torch.float16, "fused"),
+                                           (torch.bfloat16, "chunked"), (torch.bfloat16, "mm"),
+                                           (torch.float16, "fused"),
                                            (torch.float16, "chunked"), (torch.float32, "fused"),
                                            (torch.float32, "chunked")])
 def test_gpu_goal_shape(dtype, variant, deterministic, monkeypatch):
