@@ -139,6 +139,12 @@ def _sync(device: torch.device) -> None:
 MIN_REPS = 3
 
 
+def summarize(times_ms: list[float], peak_mem_bytes: int = 0) -> Timing:
+    """Median and interquartile range of repeated timings (one timing: no spread)."""
+    q = statistics.quantiles(times_ms, n=4) if len(times_ms) >= 2 else [times_ms[0]] * 3
+    return Timing(statistics.median(times_ms), q[2] - q[0], peak_mem_bytes, len(times_ms))
+
+
 def graph_replay_ms(fn: Callable[[], object], device: torch.device, *, reps: int = 10, inner: int = 10) -> Timing:
     """Device time of ``fn`` with launch overhead taken out: ``fn`` captured once into a CUDA graph,
     then replayed ``inner`` times between two events, ``reps`` times (median per replay).
@@ -168,8 +174,7 @@ def graph_replay_ms(fn: Callable[[], object], device: torch.device, *, reps: int
         end.synchronize()
         times.append(start.elapsed_time(end) / inner)
     del graph
-    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
-    return Timing(statistics.median(times), q[2] - q[0], 0, len(times))
+    return summarize(times)
 
 
 def kernel_sum_ms(fn: Callable[[], object], device: torch.device, *, reps: int = 5,
@@ -198,8 +203,7 @@ def kernel_sum_ms(fn: Callable[[], object], device: torch.device, *, reps: int =
         sums.append(sum(e.device_time_total for e in prof.key_averages()) / 1e3)
     if not any(sums):
         raise RuntimeError("the profiler recorded no CUDA activity")
-    q = statistics.quantiles(sums, n=4) if len(sums) >= 2 else [sums[0]] * 3
-    return Timing(statistics.median(sums), q[2] - q[0], 0, len(sums))
+    return summarize(sums)
 
 
 def with_graph_timing(fn: Callable[[], object], device: torch.device, timing: Timing,
@@ -270,8 +274,7 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
         if setup:
             setup()
         peak = cpu_peak_bytes(fn)
-    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
-    return Timing(statistics.median(times), q[2] - q[0], int(peak), len(times))
+    return summarize(times, int(peak))
 
 
 def _spent(times_ms: list, budget_s: Optional[float]) -> bool:
