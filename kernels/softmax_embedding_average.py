@@ -432,10 +432,7 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
                     ATOMIC=atomic)
         else:
             if need_logits:
-                _launch("grad_logits",
-                        lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
-                        N, K, D, (logits, table, grad_out, lse, delta, grad_logits, logits, N, K, D), dot,
-                        STORE_P=False)
+                _grad_logits(logits, table, grad_out, lse, delta, grad_logits, dot)
             if need_table:
                 _launch("grad_table",
                         lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split),
@@ -464,15 +461,23 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = 
     return product if out is None else out.copy_(product)
 
 
+def _grad_logits(logits, table, grad_out, lse, delta, grad_logits, dot, p=None) -> None:
+    """The split dlogits kernel into ``grad_logits``; with ``p``, it writes P there too (without, the
+    P pointer gets ``logits``, which STORE_P=False never touches)."""
+    N, K = logits.shape
+    D = table.shape[1]
+    _launch("grad_logits", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
+            N, K, D, (logits, table, grad_out, lse, delta, grad_logits, logits if p is None else p, N, K, D), dot,
+            STORE_P=p is not None)
+
+
 def _mm_backward(grad_out, lse, logits, table, delta, dot):
     """Both gradients: dlogits and P from the dlogits kernel, then dtable = Pᵀ·dY by cuBLAS."""
     N, K = logits.shape
-    D = table.shape[1]
     p_dtype = _TORCH_DTYPE[dot]
     grad_logits = torch.empty_like(logits)
     p = torch.empty((N, K), device=logits.device, dtype=p_dtype)
-    _launch("grad_logits", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
-            N, K, D, (logits, table, grad_out, lse, delta, grad_logits, p, N, K, D), dot, STORE_P=True)
+    _grad_logits(logits, table, grad_out, lse, delta, grad_logits, dot, p=p)
     grad_table = _mm_float32(p.t(), grad_out.to(p_dtype))
     return grad_logits, grad_table.to(table.dtype)
 
