@@ -32,6 +32,40 @@ EXTRA = {
 }
 
 
+def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dtype):
+    """(launcher, tensors): ``launcher(name, cfg)`` returns a call of that kernel alone at that tile
+    (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages), on the inputs in ``tensors``, writing the outputs
+    there: ``out`` and ``lse`` (forward), ``grad_logits`` and ``dst`` (dtable, added to: zero it first)."""
+    import triton
+
+    import kernels.softmax_embedding_average as sea
+    from kernels import _launch
+
+    g = torch.Generator(device).manual_seed(0)
+    logits = (3 * torch.randn(N, K, device=device, generator=g)).to(dtype)
+    table = torch.randn(K, D, device=device, generator=g).to(dtype)
+    dy = torch.randn(N, D, device=device, generator=g).to(dtype)
+    out, lse = sea.forward(logits, table)  # the public launchers autotune, so their picks can be printed
+    sea.backward(dy, out, lse, logits, table)
+    t = dict(logits=logits, table=table, dy=dy, out=out, lse=lse, grad_logits=torch.empty_like(logits),
+             delta=(dy.float() * out.float()).sum(-1), dst=torch.zeros(K, D, device=device))
+    dot, n_split = _launch.dot_dtype(logits, table), _launch.splits(N)
+
+    def launcher(name, cfg):
+        m, k, d, warps, stages = cfg
+        blk = dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d, num_warps=warps, num_stages=stages, DOT_DTYPE=dot)
+        if name == "forward":
+            return lambda: sea._forward_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
+                logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False, **blk)
+        if name == "grad_logits":  # the split variant's kernel: no P output (its pointer is never read)
+            return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
+                logits, table, dy, t["lse"], t["delta"], t["grad_logits"], logits, N, K, D, STORE_P=False, **blk)
+        return lambda: sea._grad_table_kernel[(triton.cdiv(K, k), triton.cdiv(D, d), n_split)](
+            logits, dy, t["lse"], t["dst"], N, K, D, triton.cdiv(N, n_split), ATOMIC=True, **blk)
+
+    return launcher, t
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=32768)
@@ -49,29 +83,7 @@ def main() -> None:
     from kernels import _launch
 
     N, K, D = args.n, args.k, args.d
-    dev = torch.device("cuda")
-    g = torch.Generator(dev).manual_seed(0)
-    logits = (3 * torch.randn(N, K, device=dev, generator=g)).bfloat16()
-    table = torch.randn(K, D, device=dev, generator=g).bfloat16()
-    dy = torch.randn(N, D, device=dev, generator=g).bfloat16()
-    out, lse = sea.forward(logits, table)  # the public launchers autotune, so their picks can be printed
-    sea.backward(dy, out, lse, logits, table)
-    delta, grad_logits = torch.empty(N, device=dev), torch.empty_like(logits)
-    dst = torch.zeros(K, D, device=dev)
-    n_split = _launch.splits(N)
-
-    def launcher(name, cfg):
-        m, k, d, warps, stages = cfg
-        blk = dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d, num_warps=warps, num_stages=stages, DOT_DTYPE=tl.bfloat16)
-        if name == "forward":
-            return lambda: sea._forward_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
-                logits, logits, table, out, lse, N, K, D, 0.0, GUIDED=False, **blk)
-        if name == "grad_logits":
-            return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
-                logits, table, dy, lse, delta, grad_logits, N, K, D, **blk)
-        return lambda: sea._grad_table_kernel[(triton.cdiv(K, k), triton.cdiv(D, d), n_split)](
-            logits, dy, lse, dst, N, K, D, triton.cdiv(N, n_split), ATOMIC=True, **blk)
-
+    launcher, _ = make_launcher(N, K, D, torch.device("cuda"), torch.bfloat16)
     start = time.time()
     print(f"# {torch.cuda.get_device_name()} | triton {triton.__version__} | N={N} K={K} D={D} bf16")
     for name, extra in EXTRA.items():
