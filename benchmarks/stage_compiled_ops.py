@@ -50,6 +50,16 @@ def equal_copy_ms(device: torch.device, nbytes: int) -> float:
     return t.median_ms
 
 
+def randn_ms(device: torch.device, numel: int) -> float:
+    """Graph-replay time of PyTorch's own normal draw (cuRAND's Philox4x32-10 and Box-Muller) filling
+    numel floats: the floor for a kernel that draws its noise with the same algorithm. Drawing, not
+    memory, bounds that: the drawn-noise kernel moves half the bytes of the noise-given one."""
+    buf = torch.empty(numel, device=device)
+    fn = lambda: buf.normal_()  # noqa: E731
+    t, _ = with_graph_timing(fn, device, measure(fn, device, warmup=3, reps=10))
+    return t.median_ms
+
+
 def _cases(ctx: Context):
     """(op, case, shape, dtype, bytes moved, make) with make(backend) -> (fn, setup)."""
     s, dev = _shapes(ctx), ctx.device
@@ -151,6 +161,12 @@ def _cases(ctx: Context):
     ]
 
 
+def _drawn_numel(ctx: Context) -> int:
+    """Noise elements the drawn-noise case draws per call (B·M·D)."""
+    s = _shapes(ctx)
+    return s["B"] * s["M"] * s["D"]
+
+
 def run(ctx: Context) -> list[Result]:
     reason = ops.why_not("categorical_kl", "compiled", torch.empty(1, device=ctx.device))
     if reason is not None:  # not built, or built without CUDA kernels for a CUDA context
@@ -167,6 +183,7 @@ def run(ctx: Context) -> list[Result]:
             timings[backend] = with_graph_timing(fn, ctx.device, t, setup) if not ctx.quick else (t, {})
         timings, how = {b: t for b, (t, _) in timings.items()}, {b: h for b, (_, h) in timings.items()}
         same_copy_ms = equal_copy_ms(ctx.device, nbytes) if copy_bps else None
+        draw_ms = randn_ms(ctx.device, _drawn_numel(ctx)) if copy_bps and "drawn" in case else None
         for backend, t in timings.items():
             extra = dict(how[backend])
             if backend == "compiled" and "reference" in timings:
@@ -178,6 +195,9 @@ def run(ctx: Context) -> list[Result]:
                 extra.update({"GB/s": round(bps / 1e9, 1), "copy GB/s": round(copy_bps / 1e9, 1),
                               "fraction_of_copy": round(bps / copy_bps, 3),
                               "fraction_of_equal_copy": round(same_copy_ms / t.median_ms, 3)})
+                if draw_ms is not None:  # > 1: gather, draw and combine beat PyTorch's bare draw
+                    extra.update({"torch_normal_ms": round(draw_ms, 4),
+                                  "torch_normal_over_kernel": round(draw_ms / t.median_ms, 3)})
             results.append(Result(STAGE, f"{op} {case}", backend, shape, "float32", t,
                                   baseline="reference" if backend != "reference" else "", extra=extra))
     return results

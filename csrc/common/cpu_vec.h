@@ -137,17 +137,17 @@ inline void philox_normals(uint64_t seed, uint64_t offset, uint64_t n0, int64_t 
   float* ua = scratch.data();
   float* ub = ua + pairs;
   for (int64_t g = 0; g < groups; ++g) philox_uniform_group(seed, offset, b0 + 8 * g, ua + 16 * g, ub + 16 * g);
-  const Vec minus_two(-2.0f), two_pi(kTwoPi);
+  const Vec minus_two(-2.0f), two_pi(kTwoPi), half(0.5f);
   int64_t j = 0;
   for (; j + Vec::size() <= pairs; j += Vec::size()) {
     const Vec radius = (minus_two * Vec::loadu(ua + j).log()).sqrt();
-    const Vec theta = two_pi * Vec::loadu(ub + j);
+    const Vec theta = two_pi * (Vec::loadu(ub + j) - half);  // box_muller_angle()
     (radius * theta.cos()).store(ua + j);
     (radius * theta.sin()).store(ub + j);
   }
   for (; j < pairs; ++j) {
     const float radius = sqrtf(-2.0f * logf(ua[j]));
-    const float theta = kTwoPi * ub[j];
+    const float theta = box_muller_angle(ub[j]);
     ua[j] = radius * cosf(theta);
     ub[j] = radius * sinf(theta);
   }

@@ -244,7 +244,7 @@ def _normal_at(seed, offset, n):
     lane = n % 4
     a, b = x[lane & 2], x[(lane & 2) + 1]
     u1, u2 = ((a >> 9) + 0.5) / 2**23, ((b >> 9) + 0.5) / 2**23
-    r, th = math.sqrt(-2 * math.log(u1)), 2 * math.pi * u2
+    r, th = math.sqrt(-2 * math.log(u1)), 2 * math.pi * (u2 - 0.5)  # angle in [-pi, pi)
     return r * (math.sin(th) if lane & 1 else math.cos(th))
 
 
