@@ -3,10 +3,11 @@
 ``eager`` (the baseline) is what one writes in PyTorch, ``softmax(logits, -1) @ table`` in the
 inputs' dtype, which keeps the (N, K) probabilities for the backward; ``compile`` is
 ``torch.compile`` of the same function; ``triton`` is ``vqlcmd.ops`` with ``backend="triton"`` and
-its default kernels (the one-pass forward; separate dlogits and dtable kernels in the backward);
-``triton-fused`` is the same with ``VQLCMD_TRITON_BACKWARD=fused`` (one FlashAttention-2-style
-backward kernel) and ``triton-mm`` with ``VQLCMD_TRITON_BACKWARD=mm`` (the dlogits kernel also
-writes P, cuBLAS computes dtable), each timed for ``fwd+bwd`` only, the one case it changes; ``triton-chunked`` sets
+its default kernels (the one-pass forward; in the backward, for 16-bit inputs, "mm": the dlogits
+kernel also writes P and cuBLAS computes dtable); ``triton-fused`` is the same with
+``VQLCMD_TRITON_BACKWARD=fused`` (one FlashAttention-2-style backward kernel) and ``triton-split``
+with ``VQLCMD_TRITON_BACKWARD=split`` (separate dlogits and dtable kernels, the float32 default),
+each timed for ``fwd+bwd`` only, the one case it changes; ``triton-chunked`` sets
 ``VQLCMD_TRITON_FORWARD`` and ``VQLCMD_TRITON_BACKWARD`` to ``chunked`` (the softmax parts in
 Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` sets the chunk). So
 one GPU run says which variant is faster.
@@ -34,8 +35,8 @@ BASELINE = "eager"
 GUIDANCE = 1.0
 # triton backends -> the (forward, backward) variants they run ($VQLCMD_TRITON_FORWARD and
 # $VQLCMD_TRITON_BACKWARD, read at each call)
-VARIANTS = {"triton": ("fused", "split"), "triton-fused": ("fused", "fused"), "triton-chunked": ("chunked", "chunked"),
-            "triton-mm": ("fused", "mm")}
+VARIANTS = {"triton": ("fused", "auto"), "triton-fused": ("fused", "fused"), "triton-chunked": ("chunked", "chunked"),
+            "triton-split": ("fused", "split")}
 VARIANT_ENVS = ("VQLCMD_TRITON_FORWARD", "VQLCMD_TRITON_BACKWARD")
 
 
@@ -149,7 +150,7 @@ def run(ctx: Context) -> list:
                 with torch.no_grad(), triton_variants(variants):
                     return guided(logits, uncond, table, GUIDANCE)
 
-            only_backward = name in ("triton-fused", "triton-mm")  # their forward kernels are triton's
+            only_backward = name in ("triton-fused", "triton-split")  # their forward kernels are triton's
             if not only_backward:
                 run_case(ctx, out, case="fwd", fn=fwd, extra=lambda t: {"GB/s": fwd_gbs / t.median_ms * 1e3},
                          **common)

@@ -43,8 +43,11 @@ opt-in, kept for cards or cuBLAS versions where that balance differs.
 The "mm" backward (VQLCMD_TRITON_BACKWARD=mm) takes the one lesson of those numbers that chunking
 did not spoil: cuBLAS is fast on whole matrices. The split dlogits kernel also writes P (N, K) in
 the operand dtype, and cuBLAS computes dtable = Pᵀ·dY in one product, in place of the 113 µs dtable
-kernel. P lives only during the backward. Estimated ~225 µs fwd+bwd on the H100; not yet timed on
-a GPU (the benchmark's ``triton-mm`` rows), so "split" stays the default until it is.
+kernel. P lives only during the backward. Measured on an H100 (fwd+bwd, bf16, K = 1024, D = 256,
+profiler kernel sums at N = 32768, CUDA-graph replay below): 246 µs against 286 for "split" at
+N = 32768, 78 against 94 µs at N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32.
+So the default, "auto", is "mm" for 16-bit operands. For float32 it is "split": cuBLAS would run
+Pᵀ·dY as a full-precision SGEMM (PyTorch leaves TF32 off), where the split kernel uses tf32x3.
 
 Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
 Under TRITON_INTERPRET=1 (the CPU tests) the interpreter keeps bfloat16 as raw 16-bit
@@ -152,6 +155,11 @@ def _grad_logits_kernel(
     safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     k_in = ks < K
+    # The epilogue's operands are loaded before the product loop so that their memory latency
+    # overlaps it rather than following it.
+    s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0)
+    lse = tl.load(lse_ptr + safe_rows)
+    delta = tl.load(delta_ptr + safe_rows)
     dy_t = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # dY · tableᵀ for this tile
     for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
@@ -159,10 +167,7 @@ def _grad_logits_kernel(
         dy = tl.load(grad_out_ptr + safe_rows[:, None] * D + ds[None, :], mask=d_in[None, :], other=0.0)
         t = tl.load(table_ptr + ks[:, None] * D + ds[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
         dy_t = tl.dot(dy.to(DOT_DTYPE), tl.trans(t.to(DOT_DTYPE)), dy_t, input_precision="tf32x3")
-    s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + safe_rows)
-    delta = tl.load(delta_ptr + safe_rows)
-    p = tl.exp(s - lse[:, None])
+    p = tl.exp(s.to(tl.float32) - lse[:, None])
     grad = p * (dy_t - delta[:, None])
     mask = (rows < N)[:, None] & k_in[None, :]
     offs = rows.to(tl.int64)[:, None] * K + ks[None, :]
@@ -366,15 +371,20 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
 
 
 BACKWARD_ENV = "VQLCMD_TRITON_BACKWARD"
-BACKWARD_VARIANTS = ("fused", "split", "chunked", "mm")
+BACKWARD_VARIANTS = ("auto", "fused", "split", "chunked", "mm")
 
 
-def backward_variant(variant: Optional[str] = None) -> str:
-    """``variant``, else $VQLCMD_TRITON_BACKWARD, else "split" (the faster one on an H200, see the module
-    docstring); read per call so a benchmark can switch."""
-    variant = variant or os.environ.get(BACKWARD_ENV) or "split"
+def backward_variant(variant: Optional[str] = None, dot=None) -> str:
+    """``variant``, else $VQLCMD_TRITON_BACKWARD, else "auto"; read per call so a benchmark can switch.
+
+    "auto" resolves by ``dot``, the ``tl.dot`` operand dtype: "mm" for 16-bit operands (the fastest on
+    an H100, module docstring), "split" for float32 and under the interpreter (where ``dot`` is float32).
+    """
+    variant = variant or os.environ.get(BACKWARD_ENV) or "auto"
     if variant not in BACKWARD_VARIANTS:
         raise ValueError(f"{BACKWARD_ENV} must be one of {', '.join(BACKWARD_VARIANTS)}, got {variant!r}")
+    if variant == "auto" and dot is not None:
+        variant = "split" if dot == tl.float32 else "mm"
     return variant
 
 
@@ -384,8 +394,8 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
              variant: Optional[str] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients of ``forward`` w.r.t. logits (N, K) and table (K, D), in their dtypes (None if not needed).
 
-    ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "split") picks the fused kernel, the split
-    ones, the chunked products or "mm". "fused" applies when both gradients are needed and the kernel
+    ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "auto": "mm" for 16-bit operands, "split" for
+    float32) picks the fused kernel, the split ones, the chunked products or "mm". "fused" applies when both gradients are needed and the kernel
     fits (``fused_fits``), and so does "mm"; else a single gradient takes its own split kernel, which
     does no work for the other. "chunked" serves any combination and is deterministic whatever
     ``deterministic`` says.
@@ -393,8 +403,9 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     "mm": the dlogits kernel also writes P (N, K) in the operand dtype, and cuBLAS computes
     dtable = Pᵀ·dY over all rows at once. On an H100 (N = 32768, K = 1024, D = 256, bf16) the dtable
     kernel took 113 µs where cuBLAS does a product of that size in ~36 µs, and the extra store of P
-    should cost about its 64 MB of writes (~22 µs). P is a transient of the backward (freed when it
-    returns), not a saved activation: the saved tensors stay the log-sum-exp. Deterministic (cuBLAS).
+    should cost about its 64 MB of writes (~22 µs); measured, the whole fwd+bwd took 246 µs against 286
+    for "split". P is a transient of the backward (freed when it returns; 64 MiB at that shape), not a
+    saved activation: the saved tensors stay the log-sum-exp. Deterministic (cuBLAS).
     """
     N, K = logits.shape
     D = table.shape[1]
@@ -402,7 +413,7 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
     dot = dot_dtype(logits, table)
     dev = logits.device
-    variant = backward_variant(variant)
+    variant = backward_variant(variant, dot)
     delta = None
     if N and need_logits:
         delta = torch.empty((N,), device=dev, dtype=torch.float32)
