@@ -45,7 +45,7 @@ did not spoil: cuBLAS is fast on whole matrices. The split dlogits kernel also w
 the operand dtype, and cuBLAS computes dtable = Pᵀ·dY in one product, in place of the 113 µs dtable
 kernel. P lives only during the backward. Measured on an H100 (fwd+bwd, bf16, K = 1024, D = 256,
 profiler kernel sums at N = 32768, CUDA-graph replay below): 246 µs against 286 for "split" at
-N = 32768, 78 against 94 µs at N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32.
+N = 32768 (241 once the dlogits kernel loaded its epilogue operands ahead of its product loop), 78 against 94 µs at N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32.
 So the default, "auto", is "mm" for 16-bit operands. For float32 it is "split": cuBLAS would run
 Pᵀ·dY as a full-precision SGEMM (PyTorch leaves TF32 off), where the split kernel uses tf32x3.
 
