@@ -216,6 +216,20 @@ def chunk_rows(N: int, K: int, p_bytes: int) -> int:
     return max(1, min(rows, N))
 
 
+# the "mm" backward's transient P (rows, K) stays under this; larger problems go in pieces of rows
+MM_P_BYTES = 256 << 20
+
+
+def mm_rows(N: int, K: int, p_bytes: int) -> int:
+    """Rows per piece of the mm backward: all N while P (N, K) at ``p_bytes`` per element fits
+    ``MM_P_BYTES`` (one cuBLAS product, the case timed on the H100: 64 MiB at N = 32768, K = 1024),
+    else whole SPLIT_ALIGN blocks that do. Pieces keep the backward's peak below eager's, which holds
+    all of P (N, K) as an activation, when N·K grows (N = 65536 tokens at K = 16384 is 2 GiB of P)."""
+    if N * K * p_bytes <= MM_P_BYTES:
+        return max(N, 1)
+    return min(N, max(SPLIT_ALIGN, MM_P_BYTES // (K * p_bytes) // SPLIT_ALIGN * SPLIT_ALIGN))
+
+
 def fused_fits(D: int, dot) -> bool:
     """Whether the fused backward has configurations for this width of table and dot operand.
 

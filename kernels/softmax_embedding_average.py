@@ -43,7 +43,9 @@ opt-in, kept for cards or cuBLAS versions where that balance differs.
 The "mm" backward (VQLCMD_TRITON_BACKWARD=mm) takes the one lesson of those numbers that chunking
 did not spoil: cuBLAS is fast on whole matrices. The split dlogits kernel also writes P (N, K) in
 the operand dtype, and cuBLAS computes dtable = Pᵀ·dY in one product, in place of the 113 µs dtable
-kernel. P lives only during the backward. Measured on an H100 (fwd+bwd, bf16, K = 1024, D = 256,
+kernel. P lives only during the backward, and at most 256 MiB of it at once (``MM_P_BYTES``:
+larger N·K go in pieces of rows, so the peak stays below eager's, which keeps all of P as an
+activation). Measured on an H100 (fwd+bwd, bf16, K = 1024, D = 256,
 profiler kernel sums at N = 32768, CUDA-graph replay below): 246 µs against 286 for "split" at
 N = 32768 (241 once the dlogits kernel loaded its epilogue operands ahead of its product loop), 78 against 94 µs at N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32.
 So the default, "auto", is "mm" for 16-bit operands. For float32 it is "split": cuBLAS would run
@@ -65,7 +67,7 @@ import triton
 import triton.language as tl
 
 from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fused_fits, fused_splits, interpreted,
-                      splits)
+                      mm_rows, splits)
 
 
 @triton.jit
@@ -483,13 +485,23 @@ def _grad_logits(logits, table, grad_out, lse, delta, grad_logits, dot, p=None) 
 
 
 def _mm_backward(grad_out, lse, logits, table, delta, dot):
-    """Both gradients: dlogits and P from the dlogits kernel, then dtable = Pᵀ·dY by cuBLAS."""
+    """Both gradients: dlogits and P from the dlogits kernel, then dtable = Pᵀ·dY by cuBLAS, over all
+    rows at once or, where P would pass ``MM_P_BYTES`` (_launch.py), piece by piece of rows (one P buffer,
+    float32 sums of the pieces' products)."""
     N, K = logits.shape
     p_dtype = _TORCH_DTYPE[dot]
     grad_logits = torch.empty_like(logits)
-    p = torch.empty((N, K), device=logits.device, dtype=p_dtype)
-    _grad_logits(logits, table, grad_out, lse, delta, grad_logits, dot, p=p)
-    grad_table = _mm_float32(p.t(), grad_out.to(p_dtype))
+    rows = mm_rows(N, K, p_dtype.itemsize)
+    p = torch.empty((rows, K), device=logits.device, dtype=p_dtype)
+    dy = grad_out.to(p_dtype)
+    grad_table = None
+    for r0 in range(0, N, rows):
+        piece = slice(r0, min(r0 + rows, N))
+        n = piece.stop - r0
+        _grad_logits(logits[piece], table, grad_out[piece], lse[piece], delta[piece], grad_logits[piece], dot,
+                     p=p[:n])
+        product = _mm_float32(p[:n].t(), dy[piece])
+        grad_table = product if grad_table is None else grad_table.add_(product)
     return grad_logits, grad_table.to(table.dtype)
 
 

@@ -201,6 +201,25 @@ def test_chunked_backward_any_chunk_size(chunk_rows, device, sea, launched, monk
     assert launched.count("chunk") == -(-N // min(int(chunk_rows), N))
 
 
+def test_mm_backward_rows_in_pieces_when_p_is_large(device, sea, launched, monkeypatch):
+    # P capped at 128 rows of K = 1000 float32 (interpreter) / 16-bit (GPU): 257 rows in three pieces,
+    # the last of one row, each a dlogits launch and a product added into one float32 dtable
+    from vqlcmd.kernels import _launch
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    p_bytes = dtype.itemsize  # P is stored in the dot operand dtype: the inputs' here
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "mm")
+    monkeypatch.setattr(_launch, "MM_P_BYTES", 128 * 1000 * p_bytes)
+    assert _launch.mm_rows(257, 1000, p_bytes) == 128 and _launch.mm_rows(100, 1000, p_bytes) == 100
+    logits, table = make((257,), 1000, 48, dtype, device)
+    upstream = torch.randn(257, 48, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
+    assert_close(g_logits, r_logits, dtype)
+    assert_close(g_table, r_table, dtype)
+    assert launched.count("grad_logits") == 3
+
+
 @pytest.mark.parametrize("table_dtype", [torch.float16, torch.float32])
 def test_float16_and_mixed_dtypes(table_dtype, device):
     # fp16 logits with an fp16 table, or an fp32 one (output promoted to fp32, as the reference does;
