@@ -50,10 +50,9 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def any_rank(flag: bool, device) -> bool:
-    """True if ``flag`` is true on any rank (so all ranks take the same branch)."""
-    if not torch.distributed.is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+def max_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` replaced in place by its elementwise maximum over ranks, with no read-back to the host."""
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t
+

@@ -26,7 +26,7 @@ from ..schedule import ShiftedCosineSchedule
 from . import checkpoint as ckpt
 from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import resolve_shards
-from .distributed import any_rank, barrier, init_distributed
+from .distributed import barrier, init_distributed, max_over_ranks
 from .host_memory import keep_freed_memory
 from .optim import build_optimizer, build_scheduler
 
@@ -177,20 +177,32 @@ class Trainer:
             if self.net.config.num_classes == 0:
                 labels = None
             out = self.engine(tokens, labels, self.generator)
-            bad = [k for k, v in out.items() if not torch.isfinite(v).all()]
-            if any_rank(bool(bad), self.device):
-                raise NonFiniteLossError(
-                    f"non-finite loss at step {self.step + 1}: term(s) {', '.join(bad) or '(on another rank)'} = "
-                    f"{ {k: float(out[k].detach()) for k in bad} }; stopping without saving (the last checkpoint in "
-                    f"{self.ckpt_dir} is intact)")
+            values = self._read_terms(out)
             self.engine.backward(out["loss"])
             self.engine.step()
-            for k, v in out.items():
-                terms[k] = terms.get(k, 0.0) + float(v.detach()) / self.gas
+            for k, v in values.items():
+                terms[k] = terms.get(k, 0.0) + v / self.gas
         self.teacher.update(self.net)
         self.sampling_ema.update(self.net)
         self.step += 1
         return terms
+
+    def _read_terms(self, out: dict) -> dict:
+        """The scalar loss terms as floats, or NonFiniteLossError (on every rank alike) if one is not finite.
+
+        One read-back from the device per micro-step: the terms and the any-rank non-finite flag travel
+        together. Checking and reading each term on its own stalled the host once per term, twice."""
+        names = list(out)
+        values = torch.stack([out[k].detach().float().reshape(()) for k in names])
+        flag = max_over_ranks((~torch.isfinite(values)).any().float().reshape(1))
+        host = torch.cat([flag, values]).tolist()
+        read = dict(zip(names, host[1:]))
+        if host[0]:
+            bad = {k: v for k, v in read.items() if not math.isfinite(v)}
+            raise NonFiniteLossError(
+                f"non-finite loss at step {self.step + 1}: term(s) {', '.join(bad) or '(on another rank)'} = "
+                f"{bad}; stopping without saving (the last checkpoint in {self.ckpt_dir} is intact)")
+        return read
 
     def train(self, progress: bool = True, until: Optional[int] = None) -> list[dict]:
         """Train to ``train.steps`` (or stop early at step ``until``, saving a checkpoint there, as a
