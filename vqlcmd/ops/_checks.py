@@ -54,8 +54,7 @@ def check_tokens(name: str, tokens: torch.Tensor, num_rows: int, *, ndim: int = 
     if tokens.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims (B, M), got shape {tuple(tokens.shape)}")
     if tokens.numel() and ids_checked(tokens):
-        lo, hi = torch.aminmax(tokens)  # one read-back for both ends, not two
-        lo, hi = int(lo), int(hi)
+        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one read-back for both ends, not two
         if lo < 0 or hi >= num_rows:
             bad = lo if lo < 0 else hi
             raise IndexError(f"{name} holds id {bad}, outside the table's rows [0, {num_rows})")
