@@ -94,7 +94,7 @@ struct BadIdFlag {
   int* ptr() { return flag.defined() ? flag.data_ptr<int>() : nullptr; }
   void check(const char* op, int64_t rows) {
     if (!flag.defined()) return;
-    TORCH_CHECK(flag.item<int>() == 0, op, ": a token id is outside the table's rows [0, ", rows, ")");
+    TORCH_CHECK_INDEX(flag.item<int>() == 0, op, ": a token id is outside the table's rows [0, ", rows, ")");
   }
 };
 

@@ -23,7 +23,7 @@ void forward_rows(const NoiseArgs& a, const noise_t* noise, uint64_t seed, uint6
     std::vector<float> ebuf(D), nbuf(D), obuf(D), scratch;
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t row = rows[r];
-      TORCH_CHECK(row_in_range(row, a.V), "noise_embeddings: token id ", row, " outside the table's rows [0, ",
+      TORCH_CHECK_INDEX(row_in_range(row, a.V), "noise_embeddings: token id ", row, " outside the table's rows [0, ",
                   a.V, ")");
       const float* e = cpu::row_as_float(table + row * D, ebuf.data(), D);
       const float* eps;
@@ -86,7 +86,7 @@ void backward_columns(const at::Tensor& grad, const at::Tensor& rows, const at::
     std::vector<float> gbuf(width);
     for (int64_t r = 0; r < N; ++r) {
       const int64_t row = rw[r];
-      TORCH_CHECK(row_in_range(row, V), "noise_embeddings backward: token id ", row, " outside [0, ", V, ")");
+      TORCH_CHECK_INDEX(row_in_range(row, V), "noise_embeddings backward: token id ", row, " outside [0, ", V, ")");
       const float* gr = cpu::row_as_float(g + r * D + c0, gbuf.data(), width);
       float* dst = o + row * D + c0;
       const Vec va(al[r / M]);

@@ -198,11 +198,13 @@ def test_noise_embeddings_empty_and_bad_ids(gen):
         assert z.shape == (*shape, 4)
         z.sum().backward()
     bad = torch.tensor([[0, 5]])
-    with pytest.raises(IndexError):  # the public function checks first
+    with pytest.raises(IndexError, match="token id 5 outside"):  # the kernel checks, no crash
         ops.noise_embeddings(bad, table, torch.ones(1), torch.ones(1), backend="compiled")
-    with pytest.raises(RuntimeError, match="outside the table"):  # the kernel checks too, no crash
+    with pytest.raises(IndexError, match="tokens holds id 5"):  # the reference backend: the Python check
+        ops.noise_embeddings(bad, table, torch.ones(1), torch.ones(1), backend="reference")
+    with pytest.raises(IndexError, match="outside the table"):  # the op itself, without the public function
         torch.ops.vqlcmd.noise_embeddings(bad, table, torch.ones(1), torch.ones(1), None, None, -1, 0, 0)
-    with pytest.raises(RuntimeError, match="outside"):
+    with pytest.raises(IndexError, match="outside"):
         torch.ops.vqlcmd.noise_embeddings_backward(torch.ones(1, 2, 4), -bad, None, -1, torch.ones(1), 5, False)
 
 
@@ -319,7 +321,7 @@ def test_drawn_noise_under_torch_compile_differs_per_call(gen):
     eps = (second - alpha[:, None, None] * table[tokens]) / sigma[:, None, None]
     assert abs(eps.mean().item()) < 5 / eps.numel() ** 0.5
     # the Python range check cannot run inside the graph; the kernel's own check still stops bad ids
-    with pytest.raises(RuntimeError, match="outside the table"):
+    with pytest.raises(IndexError, match="outside the table"):
         compiled(torch.full_like(tokens, table.shape[0]), table)
 
 
@@ -356,8 +358,11 @@ def test_ddim_teacher_step_empty_bad_ids_and_no_grad():
     out = ops.ddim_teacher_step(torch.zeros(1, 3, dtype=torch.long), table, torch.zeros(1, 3, 4),
                                 *[torch.ones(1)] * 4, backend="compiled")
     assert not out.requires_grad  # the teacher is a fixed target
-    with pytest.raises(RuntimeError, match="outside the table"):
+    with pytest.raises(IndexError, match="outside the table"):
         torch.ops.vqlcmd.ddim_teacher_step(torch.tensor([[7]]), table, torch.zeros(1, 1, 4), *[torch.ones(1)] * 4)
+    with pytest.raises(IndexError, match="token id 7 outside"):  # through the public function: the kernel's check
+        ops.ddim_teacher_step(torch.tensor([[7]]), table, torch.zeros(1, 1, 4), *[torch.ones(1)] * 4,
+                              backend="compiled")
 
 
 # ---- torch.library: opcheck and torch.compile ------------------------------------------------------

@@ -31,9 +31,11 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def ids_checked(tokens: torch.Tensor) -> bool:
-    """Whether token ids are range-checked here. Reading the range back syncs a GPU, which a CUDA
-    graph capture forbids and a tuned training loop may not want (VQLCMD_CHECK_IDS=0, after the
-    loader has checked the shards). Unchecked ids are still never read out of bounds: the compiled
+    """Whether token ids are range-checked here (``check_token_range``, for the backends whose
+    kernels do not check each id as they read it: all but the compiled ones). Reading the range back
+    syncs a GPU, which a CUDA graph capture forbids and a tuned training loop may not want
+    (VQLCMD_CHECK_IDS=0, after the loader has checked the shards); it turns off the compiled CUDA
+    kernels' check, whose read-back is the same sync, too. Unchecked ids are still never read out of bounds: the compiled
     kernels write NaN for them (the engine then stops on a non-finite loss, by name), and the
     reference ops' indexing stops with a device-side assert. Under ``torch.compile`` the read-back
     is a data-dependent branch the graph cannot hold, so there the kernels' own checks (the CPU
@@ -45,14 +47,21 @@ def ids_checked(tokens: torch.Tensor) -> bool:
     return os.environ.get("VQLCMD_CHECK_IDS", "1") != "0" and not torch.cuda.is_current_stream_capturing()
 
 
-def check_tokens(name: str, tokens: torch.Tensor, num_rows: int, *, ndim: int = 2) -> None:
-    """Token ids index a table of ``num_rows`` rows; out-of-range ids are errors, not crashes."""
+def check_tokens(name: str, tokens: torch.Tensor, *, ndim: int = 2) -> None:
+    """Token ids: an integer tensor of ``ndim`` dims. Their range is ``check_token_range``'s, called only
+    for backends that do not check it themselves: the compiled kernels check each id as they read it
+    and raise the same IndexError, so a pass here would only add a read-back (a GPU sync)."""
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
     if tokens.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name} must be int64 (or int32) token ids, got {tokens.dtype}")
     if tokens.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims (B, M), got shape {tuple(tokens.shape)}")
+
+
+def check_token_range(name: str, tokens: torch.Tensor, num_rows: int) -> None:
+    """Token ids index a table of ``num_rows`` rows; out-of-range ids are errors, not crashes: an
+    IndexError naming an id outside [0, num_rows), where ``ids_checked``."""
     if tokens.numel() and ids_checked(tokens):
         lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one read-back for both ends, not two
         if lo < 0 or hi >= num_rows:
@@ -88,10 +97,11 @@ def check_average_inputs(logits: torch.Tensor, table: torch.Tensor) -> None:
 
 
 def check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index) -> None:
+    """Everything but the range of the ids (``check_token_range``)."""
     check_float("table", table, min_dim=2)
     if table.dim() != 2:
         raise ValueError(f"table must be (V, D), got shape {tuple(table.shape)}")
-    check_tokens("tokens", tokens, table.shape[0])
+    check_tokens("tokens", tokens)
     B, M = tokens.shape
     check_per_batch("alpha", alpha, B)
     check_per_batch("sigma", sigma, B)
@@ -110,10 +120,11 @@ def check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index
 
 
 def check_ddim_inputs(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s) -> None:
+    """Everything but the range of the ids (``check_token_range``)."""
     check_float("table", table, min_dim=2)
     if table.dim() != 2:
         raise ValueError(f"table must be (V, D), got shape {tuple(table.shape)}")
-    check_tokens("tokens", tokens, table.shape[0])
+    check_tokens("tokens", tokens)
     B, M = tokens.shape
     check_float("z_t", z_t)
     check_shape("z_t", z_t, (B, M, table.shape[1]))

@@ -75,8 +75,8 @@ def why_not(op: str, backend: str, *tensors: torch.Tensor) -> Optional[str]:
     return reason
 
 
-def resolve(op: str, backend: str, *tensors: torch.Tensor) -> Callable:
-    """The implementation of ``op`` to run for ``backend`` on these inputs."""
+def resolve_named(op: str, backend: str, *tensors: torch.Tensor) -> tuple[str, Callable]:
+    """The backend (by name) and implementation of ``op`` to run for ``backend`` on these inputs."""
     impls = _impls(op)
     if backend != "auto":
         if backend not in BACKENDS:
@@ -84,10 +84,15 @@ def resolve(op: str, backend: str, *tensors: torch.Tensor) -> Callable:
         reason = why_not(op, backend, *tensors)
         if reason is not None:
             raise RuntimeError(f"{op}: backend {backend!r} cannot serve these inputs: {reason}")
-        return impls[backend].fn
+        return backend, impls[backend].fn
     device = tensors[0].device
     ranked = sorted(impls.items(), key=lambda kv: -kv[1].priority(device))
     for name, impl in ranked:
         if why_not(op, name, *tensors) is None:
-            return impl.fn
+            return name, impl.fn
     raise RuntimeError(f"{op}: no backend can serve these inputs")  # reference always can
+
+
+def resolve(op: str, backend: str, *tensors: torch.Tensor) -> Callable:
+    """The implementation of ``op`` to run for ``backend`` on these inputs."""
+    return resolve_named(op, backend, *tensors)[1]
