@@ -45,10 +45,10 @@ did not spoil: cuBLAS is fast on whole matrices. The split dlogits kernel also w
 the operand dtype, and cuBLAS computes dtable = Pᵀ·dY in one product, in place of the 113 µs dtable
 kernel. P lives only during the backward, and at most 256 MiB of it at once (``MM_P_BYTES``:
 larger N·K go in pieces of rows, so the peak stays below eager's, which keeps all of P as an
-activation). Measured on an H100 (fwd+bwd, bf16, K = 1024, D = 256,
-profiler kernel sums at N = 32768, CUDA-graph replay below): 246 µs against 286 for "split" at
-N = 32768 (241 once the dlogits kernel loaded its epilogue operands ahead of its product loop), 78 against 94 µs at N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32.
-So the default, "auto", is "mm" for 16-bit operands. For float32 it is "split": cuBLAS would run
+activation). Measured on an H100 (fwd+bwd, bf16, K = 1024, D = 256, profiler kernel sums at
+N = 32768, CUDA-graph replay below): 246 µs against 286 for "split" at N = 32768 (241 once the
+dlogits kernel loaded its epilogue operands ahead of its product loop), 78 against 94 µs at
+N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32. So the default, "auto", is "mm" for 16-bit operands. For float32 it is "split": cuBLAS would run
 Pᵀ·dY as a full-precision SGEMM (PyTorch leaves TF32 off), where the split kernel uses tf32x3.
 
 Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
@@ -397,13 +397,14 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     """Gradients of ``forward`` w.r.t. logits (N, K) and table (K, D), in their dtypes (None if not needed).
 
     ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "auto": "mm" for 16-bit operands, "split" for
-    float32) picks the fused kernel, the split ones, the chunked products or "mm". "fused" applies when both gradients are needed and the kernel
-    fits (``fused_fits``), and so does "mm"; else a single gradient takes its own split kernel, which
-    does no work for the other. "chunked" serves any combination and is deterministic whatever
-    ``deterministic`` says.
+    float32) picks the fused kernel, the split ones, the chunked products or "mm". "fused" applies
+    when both gradients are needed and the kernel fits (``fused_fits``), and so does "mm"; else a
+    single gradient takes its own split kernel, which does no work for the other. "chunked" serves
+    any combination and is deterministic whatever ``deterministic`` says.
 
     "mm": the dlogits kernel also writes P (N, K) in the operand dtype, and cuBLAS computes
-    dtable = Pᵀ·dY over all rows at once. On an H100 (N = 32768, K = 1024, D = 256, bf16) the dtable
+    dtable = Pᵀ·dY over all rows at once (in pieces of rows where P would pass ``MM_P_BYTES``,
+    ``_mm_backward``). On an H100 (N = 32768, K = 1024, D = 256, bf16) the dtable
     kernel took 113 µs where cuBLAS does a product of that size in ~36 µs, and the extra store of P
     should cost about its 64 MB of writes (~22 µs); measured, the whole fwd+bwd took 246 µs against 286
     for "split". P is a transient of the backward (freed when it returns; 64 MiB at that shape), not a

@@ -26,8 +26,8 @@ void ddim_rows(const DdimArgs& a, z_t_type* out) {
     std::vector<float> ebuf(D), zbuf(D), obuf(D);
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t row = rows[r];
-      TORCH_CHECK_INDEX(row_in_range(row, a.V), "ddim_teacher_step: token id ", row, " outside the table's rows [0, ",
-                  a.V, ")");
+      TORCH_CHECK_INDEX(row_in_range(row, a.V), "ddim_teacher_step: token id ", row,
+                        " outside the table's rows [0, ", a.V, ")");
       const float* e = cpu::row_as_float(table + row * D, ebuf.data(), D);
       const float* zt = cpu::row_as_float(z + r * D, zbuf.data(), D);
       const int64_t b = r / a.M;

@@ -23,8 +23,8 @@ void forward_rows(const NoiseArgs& a, const noise_t* noise, uint64_t seed, uint6
     std::vector<float> ebuf(D), nbuf(D), obuf(D), scratch;
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t row = rows[r];
-      TORCH_CHECK_INDEX(row_in_range(row, a.V), "noise_embeddings: token id ", row, " outside the table's rows [0, ",
-                  a.V, ")");
+      TORCH_CHECK_INDEX(row_in_range(row, a.V), "noise_embeddings: token id ", row,
+                        " outside the table's rows [0, ", a.V, ")");
       const float* e = cpu::row_as_float(table + row * D, ebuf.data(), D);
       const float* eps;
       if (noise != nullptr) {

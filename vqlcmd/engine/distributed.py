@@ -55,4 +55,3 @@ def max_over_ranks(t: torch.Tensor) -> torch.Tensor:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return t
-

@@ -35,11 +35,11 @@ def ids_checked(tokens: torch.Tensor) -> bool:
     kernels do not check each id as they read it: all but the compiled ones). Reading the range back
     syncs a GPU, which a CUDA graph capture forbids and a tuned training loop may not want
     (VQLCMD_CHECK_IDS=0, after the loader has checked the shards); it turns off the compiled CUDA
-    kernels' check, whose read-back is the same sync, too. Unchecked ids are still never read out of bounds: the compiled
-    kernels write NaN for them (the engine then stops on a non-finite loss, by name), and the
-    reference ops' indexing stops with a device-side assert. Under ``torch.compile`` the read-back
-    is a data-dependent branch the graph cannot hold, so there the kernels' own checks (the CPU
-    kernels raise the same error) are the check."""
+    kernels' check, whose read-back is the same sync, too. Unchecked ids are still never read out of
+    bounds: the compiled kernels write NaN for them (the engine then stops on a non-finite loss, by
+    name), and the reference ops' indexing stops with a device-side assert. Under ``torch.compile``
+    the read-back is a data-dependent branch the graph cannot hold, so there the kernels' own checks
+    (the CPU kernels raise the same error) are the check."""
     if torch.compiler.is_compiling():
         return False
     if tokens.device.type != "cuda":
