@@ -37,6 +37,12 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (t.median_ms * 1e-3)
 
 
+def _graph_ms(fn, device: torch.device) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph, as the kernels are timed."""
+    t, _ = with_graph_timing(fn, device, measure(fn, device, warmup=3, reps=10))
+    return t.median_ms
+
+
 def equal_copy_ms(device: torch.device, nbytes: int) -> float:
     """Graph-replay time of a copy that reads and writes nbytes in all, as the kernels are timed.
 
@@ -45,9 +51,7 @@ def equal_copy_ms(device: torch.device, nbytes: int) -> float:
     the same way says how much of that a kernel leaves on the table, beside the card's full bandwidth."""
     src = torch.empty(max(nbytes // 8, 1), device=device)
     dst = torch.empty_like(src)
-    fn = lambda: dst.copy_(src)  # noqa: E731
-    t, _ = with_graph_timing(fn, device, measure(fn, device, warmup=3, reps=10))
-    return t.median_ms
+    return _graph_ms(lambda: dst.copy_(src), device)
 
 
 def randn_ms(device: torch.device, numel: int) -> float:
@@ -55,9 +59,7 @@ def randn_ms(device: torch.device, numel: int) -> float:
     numel floats: the floor for a kernel that draws its noise with the same algorithm. Drawing, not
     memory, bounds that: the drawn-noise kernel moves half the bytes of the noise-given one."""
     buf = torch.empty(numel, device=device)
-    fn = lambda: buf.normal_()  # noqa: E731
-    t, _ = with_graph_timing(fn, device, measure(fn, device, warmup=3, reps=10))
-    return t.median_ms
+    return _graph_ms(lambda: buf.normal_(), device)
 
 
 def _cases(ctx: Context):
@@ -161,17 +163,13 @@ def _cases(ctx: Context):
     ]
 
 
-def _drawn_numel(ctx: Context) -> int:
-    """Noise elements the drawn-noise case draws per call (B·M·D)."""
-    s = _shapes(ctx)
-    return s["B"] * s["M"] * s["D"]
-
-
 def run(ctx: Context) -> list[Result]:
     reason = ops.why_not("categorical_kl", "compiled", torch.empty(1, device=ctx.device))
     if reason is not None:  # not built, or built without CUDA kernels for a CUDA context
         raise StageSkipped(reason)
     copy_bps = copy_bandwidth(ctx.device, 8 << 20 if ctx.quick else 512 << 20) if ctx.device.type == "cuda" else None
+    s = _shapes(ctx)
+    drawn = s["B"] * s["M"] * s["D"]  # the floats the drawn-noise case draws per call
     results = []
     for op, case, shape, nbytes, make in _cases(ctx):
         timings: dict = {}  # backend -> (Timing, how it was timed)
@@ -183,7 +181,7 @@ def run(ctx: Context) -> list[Result]:
             timings[backend] = with_graph_timing(fn, ctx.device, t, setup) if not ctx.quick else (t, {})
         timings, how = {b: t for b, (t, _) in timings.items()}, {b: h for b, (_, h) in timings.items()}
         same_copy_ms = equal_copy_ms(ctx.device, nbytes) if copy_bps else None
-        draw_ms = randn_ms(ctx.device, _drawn_numel(ctx)) if copy_bps and "drawn" in case else None
+        draw_ms = randn_ms(ctx.device, drawn) if copy_bps and "drawn" in case else None
         for backend, t in timings.items():
             extra = dict(how[backend])
             if backend == "compiled" and "reference" in timings:
