@@ -13,6 +13,8 @@ A stage that cannot run at all raises :class:`StageSkipped`.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -20,6 +22,23 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
+
+
+@contextlib.contextmanager
+def environment(env: Optional[dict] = None):
+    """Run the body with ``env`` set in os.environ (the kernels' variant switches, read at each call),
+    restoring what was there before; None leaves the environment alone."""
+    env = env or {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass

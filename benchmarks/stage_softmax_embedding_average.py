@@ -9,8 +9,10 @@ kernel also writes P and cuBLAS computes dtable); ``triton-fused`` is the same w
 with ``VQLCMD_TRITON_BACKWARD=split`` (separate dlogits and dtable kernels, the float32 default),
 each timed for ``fwd+bwd`` only, the one case it changes; ``triton-chunked`` sets
 ``VQLCMD_TRITON_FORWARD`` and ``VQLCMD_TRITON_BACKWARD`` to ``chunked`` (the softmax parts in
-Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` sets the chunk). So
-one GPU run says which variant is faster.
+Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` sets the chunk);
+``triton-delta`` is the default with ``VQLCMD_TRITON_DELTA=fused`` (the dlogits kernel sums
+delta = rowsum(dY ∘ Y) itself, no delta kernel), timed for ``fwd+bwd`` only. So one GPU run says
+which variant is faster.
 Cases: ``fwd`` (no grad), ``fwd+bwd`` (both inputs, non-unit upstream gradient) and ``guided``
 (the samplers' classifier-free-guided variant, ω = 1). The goal case of issue 5 is
 N = 32768 (B 128 × M 256), K = 1024, D = 256 in bf16 on a GPU: fwd+bwd ≥ 1.5× eager, and at
@@ -22,22 +24,26 @@ timings say nothing about the kernels. Its rows are skips that say so.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
-from benchmarks.harness import Context, Skip, run_case
+from benchmarks.harness import Context, Skip, environment, run_case
 from vqlcmd import ops
 
 STAGE = "softmax_embedding_average"
 BASELINE = "eager"
 GUIDANCE = 1.0
-# triton backends -> the (forward, backward) variants they run ($VQLCMD_TRITON_FORWARD and
-# $VQLCMD_TRITON_BACKWARD, read at each call)
-VARIANTS = {"triton": ("fused", "auto"), "triton-fused": ("fused", "fused"), "triton-chunked": ("chunked", "chunked"),
-            "triton-split": ("fused", "split")}
-VARIANT_ENVS = ("VQLCMD_TRITON_FORWARD", "VQLCMD_TRITON_BACKWARD")
+# triton backends -> the variant switches they run under (read by the kernels' launchers at each call);
+# every one is set, so that the caller's environment does not change what a name measures
+_DEFAULTS = {"VQLCMD_TRITON_FORWARD": "fused", "VQLCMD_TRITON_BACKWARD": "auto", "VQLCMD_TRITON_DELTA": "kernel"}
+VARIANTS = {
+    "triton": _DEFAULTS,
+    "triton-fused": {**_DEFAULTS, "VQLCMD_TRITON_BACKWARD": "fused"},
+    "triton-chunked": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "chunked", "VQLCMD_TRITON_BACKWARD": "chunked"},
+    "triton-split": {**_DEFAULTS, "VQLCMD_TRITON_BACKWARD": "split"},
+    "triton-delta": {**_DEFAULTS, "VQLCMD_TRITON_DELTA": "fused"},
+}
+# the variants that change only the backward: their forward and guided rows would repeat triton's
+BACKWARD_ONLY = ("triton-fused", "triton-split", "triton-delta")
 
 
 def _shapes(ctx: Context) -> list[tuple[int, int, int]]:
@@ -77,22 +83,6 @@ def _backends(ctx: Context, out: list) -> dict:
         elif ctx.wants(name):
             out.append(Skip(STAGE, "", name, reason))
     return {k: v for k, v in backends.items() if ctx.wants(k, baseline=k == BASELINE)}
-
-
-@contextlib.contextmanager
-def triton_variants(variants):
-    """Run the triton kernels as ``variants`` (forward, backward); None leaves the environment alone."""
-    saved = {env: os.environ.get(env) for env in VARIANT_ENVS}
-    if variants is not None:
-        os.environ.update(zip(VARIANT_ENVS, variants))
-    try:
-        yield
-    finally:
-        for env, value in saved.items():
-            if value is None:
-                os.environ.pop(env, None)
-            else:
-                os.environ[env] = value
 
 
 def activation_bytes(fn, *inputs) -> int:
@@ -137,25 +127,25 @@ def run(ctx: Context) -> list:
             variants = VARIANTS.get(name)
 
             def fwd(average=average, variants=variants):
-                with torch.no_grad(), triton_variants(variants):
+                with torch.no_grad(), environment(variants):
                     return average(logits, table)
 
             def fwd_bwd(average=average, variants=variants):
                 for x in leaves:
                     x.grad = None
-                with triton_variants(variants):
+                with environment(variants):
                     average(*leaves).backward(grad)
 
             def guided_fwd(guided=guided, variants=variants):
-                with torch.no_grad(), triton_variants(variants):
+                with torch.no_grad(), environment(variants):
                     return guided(logits, uncond, table, GUIDANCE)
 
-            only_backward = name in ("triton-fused", "triton-split")  # their forward kernels are triton's
+            only_backward = name in BACKWARD_ONLY
             if not only_backward:
                 run_case(ctx, out, case="fwd", fn=fwd, extra=lambda t: {"GB/s": fwd_gbs / t.median_ms * 1e3},
                          **common)
             try:
-                with triton_variants(variants):
+                with environment(variants):
                     saved = activation_bytes(average, *leaves)
             except Exception:  # noqa: BLE001: the figure is optional; the timing below still runs
                 saved = -1

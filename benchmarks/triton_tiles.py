@@ -27,15 +27,20 @@ EXTRA = {
                 (64, 32, 256, 4, 4), (128, 32, 256, 4, 4)],
     "grad_logits": [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3),
                     (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
+    # the mm backward's dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused) and writing P
+    "grad_logits+delta": [(128, 256, 64, 8, 3), (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
     "grad_table": [(128, 128, 256, 8, 2), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 256, 128, 8, 2),
                    (128, 128, 128, 8, 4), (32, 128, 256, 8, 4)],
 }
+# a sweep whose kernel the autotuner tunes under another name (its configurations and its pick)
+TUNED_AS = {"grad_logits+delta": "grad_logits"}
 
 
 def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dtype):
     """(launcher, tensors): ``launcher(name, cfg)`` returns a call of that kernel alone at that tile
     (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages), on the inputs in ``tensors``, writing the outputs
-    there: ``out`` and ``lse`` (forward), ``grad_logits`` and ``dst`` (dtable, added to: zero it first)."""
+    there: ``out`` and ``lse`` (forward), ``grad_logits`` (and ``p`` for grad_logits+delta) and ``dst``
+    (dtable, added to: zero it first)."""
     import triton
 
     import kernels.softmax_embedding_average as sea
@@ -48,7 +53,7 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
     out, lse = sea.forward(logits, table)  # the public launchers autotune, so their picks can be printed
     sea.backward(dy, out, lse, logits, table)
     t = dict(logits=logits, table=table, dy=dy, out=out, lse=lse, grad_logits=torch.empty_like(logits),
-             delta=(dy.float() * out.float()).sum(-1), dst=torch.zeros(K, D, device=device))
+             p=torch.empty_like(logits), delta=(dy.float() * out.float()).sum(-1), dst=torch.zeros(K, D, device=device))
     dot, n_split = _launch.dot_dtype(logits, table), _launch.splits(N)
 
     def launcher(name, cfg):
@@ -59,7 +64,12 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
                 logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False, **blk)
         if name == "grad_logits":  # the split variant's kernel: no P output (its pointer is never read)
             return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
-                logits, table, dy, t["lse"], t["delta"], t["grad_logits"], logits, N, K, D, STORE_P=False, **blk)
+                logits, table, dy, out, lse, t["lse"], t["delta"], t["grad_logits"], logits, N, K, D,
+                STORE_P=False, FUSED_DELTA=False, HAS_GRAD_LSE=False, **blk)
+        if name == "grad_logits+delta":  # delta summed in the kernel (from dY and out), P written
+            return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
+                logits, table, dy, out, lse, t["lse"], lse, t["grad_logits"], t["p"], N, K, D,
+                STORE_P=True, FUSED_DELTA=True, HAS_GRAD_LSE=False, **blk)
         return lambda: sea._grad_table_kernel[(triton.cdiv(K, k), triton.cdiv(D, d), n_split)](
             logits, dy, t["lse"], t["dst"], N, K, D, triton.cdiv(N, n_split), ATOMIC=True, **blk)
 
@@ -87,9 +97,10 @@ def main() -> None:
     start = time.time()
     print(f"# {torch.cuda.get_device_name()} | triton {triton.__version__} | N={N} K={K} D={D} bf16")
     for name, extra in EXTRA.items():
-        print(f"== {name}: autotuner picked {getattr(sea._TUNED[name](tl.bfloat16), 'best_config', None)}")
+        tuned = TUNED_AS.get(name, name)
+        print(f"== {name}: autotuner picked {getattr(sea._TUNED[tuned](tl.bfloat16), 'best_config', None)}")
         rows = []
-        for cfg in dict.fromkeys(_launch._CONFIGS[(name, 16)] + extra):
+        for cfg in dict.fromkeys(_launch._CONFIGS[(tuned, 16)] + extra):
             if time.time() - start > args.budget_s:
                 print("  (time budget spent)")
                 break

@@ -23,7 +23,7 @@ def _signature(fn, io: str, consts: dict) -> tuple[dict, dict]:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            wide = name in ("lse_ptr", "delta_ptr", "dst_ptr", "dp_ptr")
+            wide = name in ("lse_ptr", "grad_lse_ptr", "delta_ptr", "dst_ptr", "dp_ptr")
             sig[name] = "*fp32" if wide else io
         else:
             sig[name] = "fp32" if name == "guidance" else "i32"
@@ -44,7 +44,7 @@ def check(quick: bool) -> list[str]:
     if _launch.interpreted:
         raise SystemExit("aot_check: unset TRITON_INTERPRET (the kernels were decorated for the interpreter)")
     kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)),
-               "grad_logits": (sea._grad_logits_kernel, dict(STORE_P=True)),
+               "grad_logits": (sea._grad_logits_kernel, dict(STORE_P=True, FUSED_DELTA=False, HAS_GRAD_LSE=False)),
                "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True)),
                "fused_backward": (sea._fused_backward_kernel, dict(ATOMIC=True))}
     # (name, operand width, constexprs, warps, stages, kind)
@@ -53,6 +53,10 @@ def check(quick: bool) -> list[str]:
     if not quick:
         jobs += [(name, width, dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), warps, stages, "tuned")
                  for (name, width), cfgs in _launch._CONFIGS.items() for (m, k, d, warps, stages) in cfgs]
+    # the dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused), in every grad_logits tile
+    kernels["grad_logits+delta"] = (sea._grad_logits_kernel, dict(STORE_P=True, FUSED_DELTA=True, HAS_GRAD_LSE=True))
+    # (16-bit operands only: float32 keeps the delta kernel, whose dlogits tiles do not spill)
+    jobs += [("grad_logits+delta", *job[1:]) for job in jobs if job[0] == "grad_logits" and job[1] == 16]
     # the chunked variants' elementwise kernels: their fixed tiles at the goal shape (K = 1024)
     kernels["chunk"] = (sea._chunk_kernel, dict(WRITE_GRAD=True, WRITE_P=True))
     kernels["chunk_probs"] = (sea._chunk_probs_kernel, dict(GUIDED=True))

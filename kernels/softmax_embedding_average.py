@@ -48,8 +48,14 @@ larger N·K go in pieces of rows, so the peak stays below eager's, which keeps a
 activation). Measured on an H100 (fwd+bwd, bf16, K = 1024, D = 256, profiler kernel sums at
 N = 32768, CUDA-graph replay below): 246 µs against 286 for "split" at N = 32768 (241 once the
 dlogits kernel loaded its epilogue operands ahead of its product loop), 78 against 94 µs at
-N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32. So the default, "auto", is "mm" for 16-bit operands. For float32 it is "split": cuBLAS would run
-Pᵀ·dY as a full-precision SGEMM (PyTorch leaves TF32 off), where the split kernel uses tf32x3.
+N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32. So the default, "auto", is "mm"
+for 16-bit operands. For float32 it is "split": cuBLAS would run Pᵀ·dY as a full-precision SGEMM
+(PyTorch leaves TF32 off), where the split kernel uses tf32x3.
+
+In the split and mm backwards the dlogits kernel can also sum delta itself (VQLCMD_TRITON_DELTA=fused,
+``delta_variant``) from the dY tiles of its product loop and the matching Y tiles, which saves the
+delta kernel (14 µs of the mm backward's 241 on the H100) for more reads of Y from L2. It is not
+the default yet: no GPU has timed it.
 
 Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
 Under TRITON_INTERPRET=1 (the CPU tests) the interpreter keeps bfloat16 as raw 16-bit
@@ -60,7 +66,7 @@ bf16/fp16 run on tensor cores (fp32 inputs use tf32x3, which keeps fp32 accuracy
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -145,12 +151,14 @@ def _delta_kernel(grad_out_ptr, out_ptr, grad_lse_ptr, delta_ptr, N, D,
 
 @triton.jit
 def _grad_logits_kernel(
-    logits_ptr, table_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_logits_ptr, p_ptr,
+    logits_ptr, table_ptr, grad_out_ptr, out_ptr, grad_lse_ptr, lse_ptr, delta_ptr, grad_logits_ptr, p_ptr,
     N, K, D,
-    STORE_P: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    STORE_P: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # STORE_P: also write P (the "mm" backward hands Pᵀ·dY to cuBLAS)
+    # STORE_P: also write P (the "mm" backward hands Pᵀ·dY to cuBLAS). FUSED_DELTA: sum delta =
+    # rowsum(dY ∘ Y) − dLSE here, from the dY tiles the product loop loads anyway, instead of reading
+    # it from delta_ptr (the delta kernel's output); out_ptr and grad_lse_ptr are read only then.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -161,12 +169,20 @@ def _grad_logits_kernel(
     # overlaps it rather than following it.
     s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0)
     lse = tl.load(lse_ptr + safe_rows)
-    delta = tl.load(delta_ptr + safe_rows)
+    if FUSED_DELTA:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_GRAD_LSE:
+            delta -= tl.load(grad_lse_ptr + safe_rows).to(tl.float32)
+    else:
+        delta = tl.load(delta_ptr + safe_rows)
     dy_t = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # dY · tableᵀ for this tile
     for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
         d_in = ds < D
         dy = tl.load(grad_out_ptr + safe_rows[:, None] * D + ds[None, :], mask=d_in[None, :], other=0.0)
+        if FUSED_DELTA:
+            y = tl.load(out_ptr + safe_rows[:, None] * D + ds[None, :], mask=d_in[None, :], other=0.0)
+            delta += tl.sum(dy.to(tl.float32) * y.to(tl.float32), 1)
         t = tl.load(table_ptr + ks[:, None] * D + ds[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
         dy_t = tl.dot(dy.to(DOT_DTYPE), tl.trans(t.to(DOT_DTYPE)), dy_t, input_precision="tf32x3")
     p = tl.exp(s.to(tl.float32) - lse[:, None])
@@ -313,7 +329,8 @@ def _chunk_probs_kernel(
 
 _TUNED = {
     "forward": Tuned(_forward_kernel, "forward", variants=("GUIDED",)),
-    "grad_logits": Tuned(_grad_logits_kernel, "grad_logits", variants=("STORE_P",)),
+    "grad_logits": Tuned(_grad_logits_kernel, "grad_logits",
+                         variants=("STORE_P", "FUSED_DELTA", "HAS_GRAD_LSE")),
     "grad_table": Tuned(_grad_table_kernel, "grad_table", variants=("ATOMIC",), reset_to_zero=["dst_ptr"]),
     "fused_backward": Tuned(_fused_backward_kernel, "fused_backward", variants=("ATOMIC",),
                             reset_to_zero=["dst_ptr"]),
@@ -390,6 +407,27 @@ def backward_variant(variant: Optional[str] = None, dot=None) -> str:
     return variant
 
 
+DELTA_ENV = "VQLCMD_TRITON_DELTA"
+DELTA_VARIANTS = ("kernel", "fused")
+
+
+def delta_variant(variant: Optional[str] = None) -> str:
+    """``variant``, else $VQLCMD_TRITON_DELTA, else "kernel" (read per call so a benchmark can switch).
+
+    Where the dlogits kernel of the "split" and "mm" backwards gets delta = rowsum(dY ∘ Y) − dLSE:
+    "kernel", from the small delta kernel that runs first (14 µs of the 241 µs fwd+bwd on an H100 at
+    N = 32768, K = 1024, D = 256, bf16), or "fused": each dlogits program sums it itself from the dY
+    tiles its product loop loads anyway, plus the matching Y tiles (16-bit operands only on a GPU:
+    with float32 ones the tiles spill registers, so those keep the delta kernel). That saves the launch and a
+    pass over dY and Y in memory for extra (mostly L2) reads of Y in every K block of a row block.
+    "kernel" stays the default until a GPU run says "fused" pays (benchmarks: ``triton-delta``).
+    """
+    variant = variant or os.environ.get(DELTA_ENV) or "kernel"
+    if variant not in DELTA_VARIANTS:
+        raise ValueError(f"{DELTA_ENV} must be one of {', '.join(DELTA_VARIANTS)}, got {variant!r}")
+    return variant
+
+
 def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logits: torch.Tensor,
              table: torch.Tensor, grad_lse: Optional[torch.Tensor] = None, *, need_logits: bool = True,
              need_table: bool = True, deterministic: bool = False,
@@ -417,19 +455,25 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     dot = dot_dtype(logits, table)
     dev = logits.device
     variant = backward_variant(variant, dot)
+    fused = variant == "fused" and need_logits and need_table and fused_fits(D, dot)
+    grad_lse = grad_lse.contiguous() if grad_lse is not None else None
+    # the fused and chunked backwards read delta from memory; the dlogits kernel may sum its own, with
+    # 16-bit operands on a GPU (float32's tf32x3 tiles spill registers when they sum delta too: aot_check)
+    own_delta = (delta_variant() == "fused" and variant != "chunked" and not fused
+                 and (interpreted or dot != tl.float32))
     delta = None
-    if N and need_logits:
+    if N and need_logits and not own_delta:
         delta = torch.empty((N,), device=dev, dtype=torch.float32)
         has_glse = grad_lse is not None
         blk = blocks("delta", N, K, D, dev, dot)
         _delta_kernel[(triton.cdiv(N, blk["BLOCK_M"]),)](
-            grad_out, out, grad_lse.contiguous() if has_glse else lse, delta, N, D,
+            grad_out, out, grad_lse if has_glse else lse, delta, N, D,
             HAS_GRAD_LSE=has_glse, **blk)
     if variant == "chunked":
         return _chunked_backward(grad_out, lse, logits, table, delta, need_logits, need_table, dot)
-    fused = variant == "fused" and need_logits and need_table and fused_fits(D, dot)
+    dl = _DeltaFrom(delta, out, grad_lse)
     if variant == "mm" and need_logits and need_table and N:
-        return _mm_backward(grad_out, lse, logits, table, delta, dot)
+        return _mm_backward(grad_out, lse, logits, table, dl, dot)
     grad_logits = torch.empty_like(logits) if need_logits else None
     if need_table:
         n_split = fused_splits(N) if fused else splits(N)
@@ -446,7 +490,7 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
                     ATOMIC=atomic)
         else:
             if need_logits:
-                _grad_logits(logits, table, grad_out, lse, delta, grad_logits, dot)
+                _grad_logits(logits, table, grad_out, lse, dl, grad_logits, dot)
             if need_table:
                 _launch("grad_table",
                         lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split),
@@ -475,17 +519,30 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = 
     return product if out is None else out.copy_(product)
 
 
-def _grad_logits(logits, table, grad_out, lse, delta, grad_logits, dot, p=None) -> None:
-    """The split dlogits kernel into ``grad_logits``; with ``p``, it writes P there too (without, the
-    P pointer gets ``logits``, which STORE_P=False never touches)."""
+class _DeltaFrom(NamedTuple):
+    """Where the dlogits kernel takes delta from: ``values`` (the delta kernel's output), or, when that
+    is None, its own sum of rowsum(dY ∘ out) − grad_lse (``delta_variant`` "fused")."""
+    values: Optional[torch.Tensor]
+    out: torch.Tensor
+    grad_lse: Optional[torch.Tensor]
+
+    def rows(self, piece: slice) -> "_DeltaFrom":
+        return _DeltaFrom(*(None if t is None else t[piece] for t in self))
+
+
+def _grad_logits(logits, table, grad_out, lse, dl: _DeltaFrom, grad_logits, dot, p=None) -> None:
+    """The split dlogits kernel into ``grad_logits``; with ``p``, it writes P there too. Pointers a
+    constexpr switch leaves unread (P without STORE_P, the delta inputs) get a live tensor."""
     N, K = logits.shape
     D = table.shape[1]
+    own = dl.values is None
     _launch("grad_logits", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
-            N, K, D, (logits, table, grad_out, lse, delta, grad_logits, logits if p is None else p, N, K, D), dot,
-            STORE_P=p is not None)
+            N, K, D, (logits, table, grad_out, dl.out, lse if dl.grad_lse is None else dl.grad_lse, lse,
+                      lse if own else dl.values, grad_logits, logits if p is None else p, N, K, D), dot,
+            STORE_P=p is not None, FUSED_DELTA=own, HAS_GRAD_LSE=own and dl.grad_lse is not None)
 
 
-def _mm_backward(grad_out, lse, logits, table, delta, dot):
+def _mm_backward(grad_out, lse, logits, table, dl: _DeltaFrom, dot):
     """Both gradients: dlogits and P from the dlogits kernel, then dtable = Pᵀ·dY by cuBLAS, over all
     rows at once or, where P would pass ``MM_P_BYTES`` (_launch.py), piece by piece of rows (one P buffer,
     float32 sums of the pieces' products)."""
@@ -499,7 +556,7 @@ def _mm_backward(grad_out, lse, logits, table, delta, dot):
     for r0 in range(0, N, rows):
         piece = slice(r0, min(r0 + rows, N))
         n = piece.stop - r0
-        _grad_logits(logits[piece], table, grad_out[piece], lse[piece], delta[piece], grad_logits[piece], dot,
+        _grad_logits(logits[piece], table, grad_out[piece], lse[piece], dl.rows(piece), grad_logits[piece], dot,
                      p=p[:n])
         product = _mm_float32(p[:n].t(), dy[piece])
         grad_table = product if grad_table is None else grad_table.add_(product)
@@ -561,4 +618,4 @@ def _chunked_backward(grad_out, lse, logits, table, delta, need_logits, need_tab
     return grad_logits, (dst.to(table.dtype) if need_table else None)
 
 
-__all__ = ["forward", "forward_variant", "backward", "backward_variant", "interpreted"]
+__all__ = ["forward", "forward_variant", "backward", "backward_variant", "delta_variant", "interpreted"]

@@ -1,6 +1,8 @@
-"""benchmarks/harness.py: how a CUDA case is timed when a CUDA graph cannot capture it."""
+"""benchmarks/harness.py: how a CUDA case is timed when a CUDA graph cannot capture it, and the
+environment switches a stage runs a kernel variant under."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -63,3 +65,15 @@ def test_kernel_sum_reads_close_to_graph_replay():
     replay = harness.graph_replay_ms(fn, dev).median_ms
     summed = harness.kernel_sum_ms(fn, dev).median_ms
     assert 0.8 * replay < summed < 1.1 * replay, (summed, replay)
+
+
+def test_environment_sets_the_switches_and_restores_what_was_there(monkeypatch):
+    monkeypatch.setenv("VQLCMD_TEST_KEPT", "before")
+    monkeypatch.delenv("VQLCMD_TEST_NEW", raising=False)
+    with pytest.raises(KeyError):
+        with harness.environment({"VQLCMD_TEST_KEPT": "inside", "VQLCMD_TEST_NEW": "inside"}):
+            assert os.environ["VQLCMD_TEST_KEPT"] == os.environ["VQLCMD_TEST_NEW"] == "inside"
+            raise KeyError("the body failed")  # restored all the same
+    assert os.environ["VQLCMD_TEST_KEPT"] == "before" and "VQLCMD_TEST_NEW" not in os.environ
+    with harness.environment(None):
+        assert os.environ["VQLCMD_TEST_KEPT"] == "before"

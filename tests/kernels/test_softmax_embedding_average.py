@@ -6,8 +6,9 @@ the shapes still cross every tile edge: K = 1000 spans several K tiles with a ra
 D = 48 and D = 300 are ragged.
 The four backward variants (the fused kernel, the split kernels, the chunked one that leaves
 its products to torch.mm, and "mm", the split dlogits kernel writing P for a torch.mm dtable;
-VQLCMD_TRITON_BACKWARD) are run, and the spy ``launched`` checks which
-kernels a backward actually took. The chunked variant's chunks are 128 rows under the interpreter.
+VQLCMD_TRITON_BACKWARD) are run, the split and mm ones also with the dlogits kernel summing delta
+itself (VQLCMD_TRITON_DELTA=fused), and the spy ``launched`` checks which kernels a backward
+actually took. The chunked variant's chunks are 128 rows under the interpreter.
 """
 import pytest
 import torch
@@ -132,13 +133,21 @@ def test_chunked_forward_matches_reference(lead, K, D, dtype, device, sea, launc
 NEEDS = [(True, True), (True, False), (False, True)]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# (backward variant, where its dlogits kernel takes delta from): the fused and chunked backwards always
+# read the delta kernel's output, split and mm may sum delta themselves
+VARIANT_DELTAS = [("fused", "kernel"), ("split", "kernel"), ("chunked", "kernel"), ("mm", "kernel"),
+                  ("split", "fused"), ("mm", "fused")]
+
+
+@pytest.mark.parametrize("variant,delta", VARIANT_DELTAS)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, device, sea, launched):
+def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, delta, device, sea, launched,
+                                            monkeypatch):
     # The backward entry point directly: every (need_logits, need_table) pair, a gradient on lse as
     # well as on the output, atomic and split-by-split dtable sums. 300 rows: three row splits with
     # a ragged last one (splits are 128 rows under the interpreter).
+    monkeypatch.setenv("VQLCMD_TRITON_DELTA", delta)
     N, K, D = 300, 1000, 48
     logits, table = make((N,), K, D, dtype, device, seed=2)
     g = torch.Generator().manual_seed(3)
@@ -184,6 +193,9 @@ def test_wide_tables_and_unknown_variants(sea, launched, monkeypatch):
     monkeypatch.setenv("VQLCMD_TRITON_CHUNK_ROWS", "0")
     with pytest.raises(ValueError, match="VQLCMD_TRITON_CHUNK_ROWS"):
         sea.backward(out, out, lse, logits, table)
+    monkeypatch.setenv("VQLCMD_TRITON_DELTA", "twice")  # refused whatever the backward variant
+    with pytest.raises(ValueError, match="VQLCMD_TRITON_DELTA"):
+        sea.backward(out, out, lse, logits, table)
 
 
 @pytest.mark.parametrize("chunk_rows", ["1", "50", "4096"])
@@ -201,11 +213,37 @@ def test_chunked_backward_any_chunk_size(chunk_rows, device, sea, launched, monk
     assert launched.count("chunk") == -(-N // min(int(chunk_rows), N))
 
 
-def test_mm_backward_rows_in_pieces_when_p_is_large(device, sea, launched, monkeypatch):
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("delta", ["kernel", "fused"])
+def test_fused_delta_replaces_the_delta_kernel_in_split_and_mm(delta, variant, device, sea, monkeypatch):
+    # under the interpreter (float32 operands) and with 16-bit ones on a GPU; the fused and chunked
+    # backwards read delta from memory whatever VQLCMD_TRITON_DELTA says
+    delta_launches = []
+    original = sea._delta_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            delta_launches.append(grid)
+            return original[grid]
+
+    monkeypatch.setattr(sea, "_delta_kernel", Spy())
+    monkeypatch.setenv("VQLCMD_TRITON_DELTA", delta)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    logits, table = make((40,), 100, 32, dtype, device)
+    out, lse = sea.forward(logits, table)
+    sea.backward(torch.randn_like(out), out, lse, logits, table, variant=variant)
+    own = delta == "fused" and variant in ("split", "mm")
+    assert len(delta_launches) == (0 if own else 1)
+
+
+@pytest.mark.parametrize("delta", ["kernel", "fused"])
+def test_mm_backward_rows_in_pieces_when_p_is_large(delta, device, sea, launched, monkeypatch):
     # P capped at 128 rows of K = 1000 float32 (interpreter) / 16-bit (GPU): 257 rows in three pieces,
-    # the last of one row, each a dlogits launch and a product added into one float32 dtable
+    # the last of one row, each a dlogits launch and a product added into one float32 dtable; with
+    # delta summed by the dlogits kernel, each piece reads its own rows of Y
     from vqlcmd.kernels import _launch
 
+    monkeypatch.setenv("VQLCMD_TRITON_DELTA", delta)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     p_bytes = dtype.itemsize  # P is stored in the dot operand dtype: the inputs' here
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "mm")
