@@ -1,8 +1,12 @@
 // CUDA kernels of noise_embeddings. Forward: each thread owns one Philox block,
 // i.e. four consecutive output elements, so drawn noise costs no memory traffic.
-// Backward: scatter-add with atomics, or a sorted segment sum when
-// torch.use_deterministic_algorithms(True) asks for a fixed summation order.
+// Backward: scatter-add with atomics (into the table in memory, or, with
+// VQLCMD_NOISE_BACKWARD=sliced, into a slice of it in shared memory), or a sorted
+// segment sum when torch.use_deterministic_algorithms(True) asks for a fixed order.
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
 
 #include "../common/cuda_utils.cuh"
 #include "../common/philox.h"
@@ -288,6 +292,157 @@ __global__ void noise_backward_runs_kernel(const int64_t* __restrict__ sorted, c
   }
 }
 
+// Sliced backward (VQLCMD_NOISE_BACKWARD=sliced). The atomic kernel above is bound by
+// the L2's atomic units, not by memory: on an H100 (16384 tokens, D = 256) its 1M
+// float4 atomics into the 1 MiB table take 14.7 us, reading the gradient at 1.1 TB/s
+// where a copy runs at 2.8. Here block (s, r) keeps kSliceCols columns of every table
+// row in shared memory and adds the gradients of row split r's tokens into them with
+// shared-memory atomics; memory sees one float4 per table row and block at the end: a
+// plain store when there is one split (which also writes the rows no token hit, so the
+// output needs no zero-fill), else an atomic add. Every block reads all of its split's
+// ids (64 times at D = 256, from L2). Not yet the default: no GPU has timed it.
+constexpr int kSliceCols = 4;
+constexpr int kSlicedThreads = 512;
+// a split no shorter than this, so that zeroing and flushing the slice stay small beside its tokens
+constexpr int64_t kMinSplitTokens = 4096;
+
+template <typename grad_t>
+__global__ void __launch_bounds__(kSlicedThreads)
+    noise_backward_sliced_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ ids,
+                                 const bool* __restrict__ drop, int64_t mask_index, const float* __restrict__ alpha,
+                                 float* __restrict__ out, int64_t N, int64_t M, int64_t D, int64_t V, int64_t hot_row,
+                                 int64_t split_tokens, bool add, int* bad) {
+  extern __shared__ float4 slice[];  // (V, kSliceCols): this block's columns of every table row
+  float* const acc = reinterpret_cast<float*>(slice);
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * kSliceCols;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) slice[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  __syncthreads();
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * split_tokens;
+  const int64_t end = begin + split_tokens < N ? begin + split_tokens : N;
+  // The [mask] row takes a fifth or so of all tokens when dropping: summed in registers, it
+  // costs no shared-memory atomics on one address from many lanes at once.
+  float hot[kSliceCols] = {};
+  for (int64_t r0 = begin + static_cast<int64_t>(threadIdx.x) * kTokensPerThread; r0 < end;
+       r0 += static_cast<int64_t>(blockDim.x) * kTokensPerThread) {
+    float g[kTokensPerThread][kSliceCols];
+#pragma unroll
+    for (int i = 0; i < kTokensPerThread; ++i) {
+      if (r0 + i < end) {
+        cuda::load<kSliceCols>(grad + (r0 + i) * D + d, g[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kSliceCols; ++j) g[i][j] = 0.0f;
+      }
+    }
+    int64_t row[kTokensPerThread];  // -1: nothing to add (past the split, a bad id, or merged)
+    float scale[kTokensPerThread];
+    int64_t b = r0 / M, m = r0 - b * M;
+#pragma unroll
+    for (int i = 0; i < kTokensPerThread; ++i) {
+      const bool in = r0 + i < end;
+      row[i] = in ? token_row(ids, drop, mask_index, r0 + i) : -1;
+      scale[i] = in ? alpha[b] : 0.0f;
+      if (++m == M) {
+        m = 0;
+        ++b;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kTokensPerThread; ++i) {
+      if (r0 + i < end && !row_in_range(row[i], V)) {
+        if (bad) *bad = 1;
+        row[i] = -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kSliceCols; ++j) g[i][j] *= scale[i];
+    }
+#pragma unroll
+    for (int i = 0; i < kTokensPerThread; ++i) {
+      if (row[i] < 0) continue;
+      if (row[i] == hot_row) {
+#pragma unroll
+        for (int j = 0; j < kSliceCols; ++j) hot[j] += g[i][j];
+        continue;
+      }
+#pragma unroll
+      for (int k = i + 1; k < kTokensPerThread; ++k) {
+        if (row[k] != row[i]) continue;
+#pragma unroll
+        for (int j = 0; j < kSliceCols; ++j) g[i][j] += g[k][j];
+        row[k] = -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + row[i] * kSliceCols + j, g[i][j]);
+    }
+  }
+  if (hot_row >= 0) {  // every thread of the block gets here: whole warps shuffle
+#pragma unroll
+    for (int j = 0; j < kSliceCols; ++j) {
+#pragma unroll
+      for (int lane = 16; lane > 0; lane /= 2) hot[j] += __shfl_xor_sync(0xffffffffu, hot[j], lane);
+    }
+    if (threadIdx.x % 32 == 0) {
+#pragma unroll
+      for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + hot_row * kSliceCols + j, hot[j]);
+    }
+  }
+  __syncthreads();
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+    const float4 x = slice[v];
+    if (!add) {
+      *reinterpret_cast<float4*>(out + v * D + d) = x;
+    } else if (x.x != 0.0f || x.y != 0.0f || x.z != 0.0f || x.w != 0.0f) {
+      const float v4[kSliceCols] = {x.x, x.y, x.z, x.w};
+      atomic_add(out + v * D + d, v4);
+    }
+  }
+}
+
+// VQLCMD_NOISE_BACKWARD: "atomic" (default) or "sliced"; read per call so a benchmark can switch.
+bool sliced_backward_requested() {
+  const char* v = std::getenv("VQLCMD_NOISE_BACKWARD");
+  const std::string name = v == nullptr ? "" : v;
+  TORCH_CHECK(name.empty() || name == "atomic" || name == "sliced",
+              "VQLCMD_NOISE_BACKWARD must be atomic or sliced, got '", name, "'");
+  return name == "sliced";
+}
+
+// Row splits of the sliced backward: about one block per two multiprocessors in all, each
+// split at least kMinSplitTokens long; and whether the slice of V rows fits shared memory.
+struct SlicedLaunch {
+  bool fits = false;
+  int64_t splits = 1, split_tokens = 0;
+  size_t smem = 0;
+};
+
+SlicedLaunch sliced_launch(int64_t N, int64_t D, int64_t V) {
+  SlicedLaunch l;
+  int device = c10::cuda::current_device(), sms = 0, smem_max = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  l.smem = static_cast<size_t>(V) * kSliceCols * sizeof(float);
+  l.fits = l.smem <= static_cast<size_t>(smem_max);
+  const int64_t slices = D / kSliceCols;
+  const int64_t wanted = std::max<int64_t>(1, (sms + slices) / (2 * slices));
+  l.splits = std::max<int64_t>(1, std::min(wanted, N / kMinSplitTokens));
+  // whole thread chunks per split, so no chunk straddles two splits
+  const int64_t chunk = kTokensPerThread;
+  l.split_tokens = ((N + l.splits - 1) / l.splits + chunk - 1) / chunk * chunk;
+  l.splits = (N + l.split_tokens - 1) / l.split_tokens;
+  return l;
+}
+
+template <typename grad_t>
+void launch_sliced_backward(const SlicedLaunch& l, const grad_t* grad, const TokenIds& ids, const float* alpha,
+                            float* out, int64_t N, int64_t M, int64_t D, int64_t V, int64_t hot_row, int* bad,
+                            cudaStream_t stream) {
+  auto kernel = noise_backward_sliced_kernel<grad_t>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(l.smem)));
+  const dim3 grid(static_cast<unsigned>(D / kSliceCols), static_cast<unsigned>(l.splits));
+  kernel<<<grid, kSlicedThreads, l.smem, stream>>>(grad, ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, alpha, out, N,
+                                                    M, D, V, hot_row, l.split_tokens, l.splits > 1, bad);
+}
+
 // At most one item per thread; with a hot row also at most kHotBlocksPerSm
 // blocks per multiprocessor, as each block ends with D / kPack atomics on that
 // row. H200, 16384 tokens, D = 256, 20% dropped: 15.8 us at 4 or more blocks
@@ -314,14 +469,25 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
   TORCH_CHECK(grad.dim() == 3 && grad.size(0) == tokens.size(0) && grad.size(1) == tokens.size(1),
               "grad must be (B, M, D), got ", grad.sizes());
   const int64_t N = ids.ids.numel(), M = tokens.size(1), D = grad.size(2);
-  at::Tensor out = at::zeros({num_rows, D}, grad.options().dtype(at::kFloat));
-  if (N == 0 || D == 0) return out;
   const at::Tensor g = grad.contiguous();
+  // four columns move as one Pack4 (out is a fresh allocation, so aligned)
+  const bool packed = D % 4 == 0 && reinterpret_cast<uintptr_t>(g.data_ptr()) % (4 * g.element_size()) == 0;
+  const bool want_sliced = sliced_backward_requested();  // checked on every call, so a typo never passes
+  SlicedLaunch sliced;
+  if (want_sliced && !deterministic && N > 0 && packed) sliced = sliced_launch(N, D, num_rows);
+  // one split stores every element of its slices: no zero-fill
+  at::Tensor out = sliced.fits && sliced.splits == 1 ? at::empty({num_rows, D}, grad.options().dtype(at::kFloat))
+                                                     : at::zeros({num_rows, D}, grad.options().dtype(at::kFloat));
+  if (N == 0 || D == 0) return out;
   const at::Tensor al = per_batch(alpha, tokens.size(0), "alpha");
   cuda::BadIdFlag bad(grad.device());
   const cudaStream_t stream = cuda::current_stream();
+  const int64_t hot_row = drop_mask.has_value() && row_in_range(mask_index, num_rows) ? mask_index : -1;
   VQLCMD_DISPATCH_FLOAT(g.scalar_type(), "noise_embeddings_backward_cuda", [&] {
-    if (deterministic) {
+    if (sliced.fits) {
+      launch_sliced_backward<scalar_t>(sliced, g.data_ptr<scalar_t>(), ids, al.data_ptr<float>(),
+                                       out.data_ptr<float>(), N, M, D, num_rows, hot_row, bad.ptr(), stream);
+    } else if (deterministic) {
       const auto [sorted, order] =
           at::sort(token_rows(tokens, drop_mask, mask_index), /*stable=*/true, /*dim=*/0, /*descending=*/false);
       // every position pass 2 reads is a piece start that pass 1 wrote: no zero-fill
@@ -337,20 +503,18 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
     } else {
       const scalar_t* gp = g.data_ptr<scalar_t>();
       float* op = out.data_ptr<float>();
-      const bool packed = D % 4 == 0 && cuda::aligned4(gp) && cuda::aligned4(op);
       const int64_t chunks = (N + kTokensPerThread - 1) / kTokensPerThread;
-      const bool hot = drop_mask.has_value() && row_in_range(mask_index, num_rows) && D <= kMaxHotRowFloats;
-      const int64_t hot_row = hot ? mask_index : -1;
+      const bool hot = hot_row >= 0 && D <= kMaxHotRowFloats;
       const size_t smem = hot ? D * sizeof(float) : 0;
       const int blocks = atomic_backward_blocks(chunks * (packed ? D / 4 : D), hot);
       if (packed) {
         noise_backward_atomic_kernel<scalar_t, 4><<<blocks, cuda::kThreads, smem, stream>>>(
-            gp, ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, al.data_ptr<float>(), op, N, M, D, num_rows, hot_row,
-            bad.ptr());
+            gp, ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, al.data_ptr<float>(), op, N, M, D, num_rows,
+            hot ? hot_row : -1, bad.ptr());
       } else {
         noise_backward_atomic_kernel<scalar_t, 1><<<blocks, cuda::kThreads, smem, stream>>>(
-            gp, ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, al.data_ptr<float>(), op, N, M, D, num_rows, hot_row,
-            bad.ptr());
+            gp, ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, al.data_ptr<float>(), op, N, M, D, num_rows,
+            hot ? hot_row : -1, bad.ptr());
       }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -128,9 +128,16 @@ def test_categorical_kl_cuda_extreme_logits_register_path():
             torch.testing.assert_close(kl, ref, rtol=1e-5, atol=1e-2)
 
 
+# the non-deterministic CUDA backwards (VQLCMD_NOISE_BACKWARD): atomics into the table, or into a
+# slice of it in shared memory
+NOISE_BACKWARDS = ["atomic", "sliced"]
+
+
+@pytest.mark.parametrize("backward", NOISE_BACKWARDS)
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
 @pytest.mark.parametrize("D", [256, 13])
-def test_noise_embeddings_cuda(D, dtype):
+def test_noise_embeddings_cuda(D, dtype, backward, monkeypatch):
+    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", backward)
     g = torch.Generator(CUDA).manual_seed(2)
     B, M, V = 4, 33, 65
     tokens = torch.randint(0, V - 1, (B, M), device=CUDA, generator=g)
@@ -163,13 +170,15 @@ def test_noise_backward_cuda_deterministic_mode_matches_atomics():
     torch.testing.assert_close(runs[0].cpu(), cpu, atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backward", NOISE_BACKWARDS)
 @pytest.mark.parametrize("misaligned", [False, True])
 @pytest.mark.parametrize("M", [3, 13])
 @pytest.mark.parametrize("D", [256, 12, 5])
-def test_noise_backward_cuda_hot_rows(D, M, misaligned):
+def test_noise_backward_cuda_hot_rows(D, M, misaligned, backward, monkeypatch):
     """Atomic backward against float64 when most tokens share a few rows (and the [mask] row): a thread's
     chunk of tokens merges equal rows and spans batches (M < chunk), grads of a misaligned view take the
-    single-column kernel."""
+    single-column kernel (the sliced one needs aligned columns)."""
+    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", backward)
     g = torch.Generator(CUDA).manual_seed(10)
     B, V = 7, 6
     tokens = torch.randint(0, 2, (B, M), device=CUDA, generator=g)
@@ -184,7 +193,9 @@ def test_noise_backward_cuda_hot_rows(D, M, misaligned):
         torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_noise_backward_cuda_bad_ids_raise():
+@pytest.mark.parametrize("backward", NOISE_BACKWARDS)
+def test_noise_backward_cuda_bad_ids_raise(backward, monkeypatch):
+    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", backward)
     grad = torch.randn(1, 3, 8, device=CUDA)
     one = torch.ones(1, device=CUDA)
     for bad in ([[1, 9, 0]], [[1, -2, 0]]):
@@ -193,6 +204,39 @@ def test_noise_backward_cuda_bad_ids_raise():
                 torch.ops.vqlcmd.noise_embeddings_backward(grad, torch.tensor(bad, device=CUDA), None, -1, one, 5,
                                                            deterministic)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("N,D,V", [
+    (16384, 256, 1025),  # the benchmark's shape: one row split, the slice stored (no zero-fill)
+    (3 * 4096 + 5, 8, 1025),  # two slices, so several row splits add theirs atomically; a ragged last split
+    (4096, 16, 20000),  # 20000 rows x 16 bytes do not fit shared memory: the atomic kernel takes it
+    (40, 256, 3000),  # few tokens, most table rows untouched: the stored slice zeroes them
+])
+def test_noise_backward_cuda_sliced_matches_float64(N, D, V, monkeypatch):
+    """The sliced backward against a float64 index_add, with 20% of tokens dropped to the [mask] row
+    (summed in registers) and the rest spread over the table."""
+    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", "sliced")
+    g = torch.Generator(CUDA).manual_seed(11)
+    B = 4 if N % 4 == 0 else 1
+    M = N // B
+    tokens = torch.randint(0, V - 1, (B, M), device=CUDA, generator=g)
+    drop = torch.rand(B, M, device=CUDA, generator=g) < 0.2
+    grad = torch.randn(B, M, D, device=CUDA, generator=g).to(torch.bfloat16)
+    alpha = torch.rand(B, device=CUDA, generator=g) + 0.5
+    out = torch.ops.vqlcmd.noise_embeddings_backward(grad, tokens, drop, V - 1, alpha, V, False)
+    ids = torch.where(drop, V - 1, tokens).reshape(-1)
+    expected = torch.zeros(V, D, dtype=torch.float64, device=CUDA).index_add_(
+        0, ids, (grad.double() * alpha.double()[:, None, None]).reshape(-1, D))
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-5)
+
+
+def test_noise_backward_env_must_name_a_kernel(monkeypatch):
+    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", "fast")
+    one = torch.ones(1, device=CUDA)
+    with pytest.raises(RuntimeError, match="VQLCMD_NOISE_BACKWARD must be atomic or sliced"):
+        torch.ops.vqlcmd.noise_embeddings_backward(torch.randn(1, 3, 8, device=CUDA),
+                                                   torch.zeros(1, 3, dtype=torch.long, device=CUDA), None, -1, one,
+                                                   5, False)
 
 
 @pytest.mark.parametrize("D", [256, 7])
