@@ -188,7 +188,8 @@ def format_table(records: list, ups: dict[int, float]) -> str:
             continue
         up = ups.get(id(r))
         up_s = "base" if is_baseline(r, ups) else (f"{up:.2f}x" if up is not None else "-")
-        figures = "  ".join(f"{k}={_fmt_num(v)}" for k, v in r.extra.items())
+        # structured figures (the autotuner's picks) go to the results file only: too long for a cell
+        figures = "  ".join(f"{k}={_fmt_num(v)}" for k, v in r.extra.items() if not isinstance(v, (dict, list)))
         lines.append((r.stage, r.case, r.backend, r.shape, r.dtype, _fmt_ms(r.timing.median_ms),
                       _fmt_ms(r.timing.spread_ms), _fmt_bytes(r.timing.peak_mem_bytes), up_s, figures))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]

@@ -85,6 +85,14 @@ def _backends(ctx: Context, out: list) -> dict:
     return {k: v for k, v in backends.items() if ctx.wants(k, baseline=k == BASELINE)}
 
 
+def autotuned(N: int, K: int, D: int) -> dict:
+    """Kernel name -> the configurations its autotuner chose at (N, K, D) so far (empty where none ran):
+    which tiles a time came from, to read it against the card's limits."""
+    from vqlcmd.kernels import softmax_embedding_average as sea
+
+    return {name: picks for name, tuned in sea._TUNED.items() if (picks := tuned.picks(N, K, D))}
+
+
 def activation_bytes(fn, *inputs) -> int:
     """Bytes autograd saves for the backward of ``fn(*inputs)``, not counting the inputs' storage."""
     seen = {t.untyped_storage().data_ptr() for t in inputs}
@@ -150,8 +158,9 @@ def run(ctx: Context) -> list:
             except Exception:  # noqa: BLE001: the figure is optional; the timing below still runs
                 saved = -1
             run_case(ctx, out, case="fwd+bwd", fn=fwd_bwd, **common,
-                     extra=lambda t, s=saved: {"activation_bytes": s,
-                                               "TFLOP/s": round(fwd_bwd_gflop / t.median_ms, 3)})
+                     extra=lambda t, s=saved, name=name: {
+                         "activation_bytes": s, "TFLOP/s": round(fwd_bwd_gflop / t.median_ms, 3),
+                         **({"autotuned": autotuned(N, K, D)} if name in VARIANTS else {})})
             if not only_backward:
                 run_case(ctx, out, case="guided", fn=guided_fwd,
                          extra=lambda t: {"GB/s": (fwd_gbs + N * K * esize / 1e9) / t.median_ms * 1e3}, **common)

@@ -158,6 +158,13 @@ class Tuned:
     def __call__(self, dot):
         return self._tuners[_width(dot)]
 
+    def picks(self, N: int, K: int, D: int) -> list[str]:
+        """The configurations the autotuners chose for problems of this (N, K, D), one per operand width
+        and variant switch seen, as text: the benchmarks report them beside the times."""
+        return [" ".join([*(f"{k[6:]}{v}" for k, v in cfg.kwargs.items()), f"w{cfg.num_warps}", f"s{cfg.num_stages}"])
+                for tuner in self._tuners.values() for key, cfg in getattr(tuner, "cache", {}).items()
+                if tuple(key[:3]) == (N, K, D)]
+
 
 def blocks(name: str, N: int, K: int, D: int, device: torch.device, dot) -> Optional[dict]:
     """Fixed block sizes and launch options for this launch, or None to autotune.

@@ -483,3 +483,22 @@ def test_chunked_products_without_the_float32_output_overload(sea, monkeypatch):
     out = torch.empty(33, 7)
     assert sea._mm_float32(a, b, out=out) is out and torch.equal(out, expected)
     assert sea._mm_float32(a, b).dtype == torch.float32
+
+
+def test_autotuner_picks_read_back_per_problem():
+    # what the benchmarks report beside a time: the configuration each autotuner chose for that (N, K, D)
+    import triton
+
+    from vqlcmd.kernels import _launch
+
+    class FakeTuner:
+        cache = {(32768, 1024, 256, True, "torch.bfloat16"): triton.Config(
+                     dict(BLOCK_M=64, BLOCK_K=32, BLOCK_D=256), num_warps=4, num_stages=4),
+                 (8192, 1024, 256, True, "torch.bfloat16"): triton.Config(
+                     dict(BLOCK_M=128, BLOCK_K=64, BLOCK_D=256), num_warps=8, num_stages=3)}
+
+    tuned = _launch.Tuned.__new__(_launch.Tuned)
+    tuned._tuners = {16: FakeTuner()}
+    assert tuned.picks(32768, 1024, 256) == ["M64 K32 D256 w4 s4"]
+    assert tuned.picks(8192, 1024, 256) == ["M128 K64 D256 w8 s3"]
+    assert tuned.picks(4096, 128, 32) == []
