@@ -464,11 +464,13 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
                                           const at::Tensor& alpha, int64_t num_rows, bool deterministic) {
   const c10::cuda::CUDAGuard guard(grad.device());
   check_float_kind(grad, "grad");
-  // the atomic kernel picks each token's row itself; the sorted one needs the rows to sort
-  const TokenIds ids = token_ids(tokens, drop_mask, mask_index);
+  check_token_inputs(tokens, drop_mask, mask_index);
+  // the atomic and sliced kernels pick each token's row themselves; the sorted one sorts the rows
+  // (token_rows), so it needs no flat ids
+  const TokenIds ids = deterministic ? TokenIds{} : token_ids(tokens, drop_mask, mask_index);
   TORCH_CHECK(grad.dim() == 3 && grad.size(0) == tokens.size(0) && grad.size(1) == tokens.size(1),
               "grad must be (B, M, D), got ", grad.sizes());
-  const int64_t N = ids.ids.numel(), M = tokens.size(1), D = grad.size(2);
+  const int64_t N = tokens.numel(), M = tokens.size(1), D = grad.size(2);
   const at::Tensor g = grad.contiguous();
   // four columns move as one Pack4 (out is a fresh allocation, so aligned)
   const bool packed = D % 4 == 0 && reinterpret_cast<uintptr_t>(g.data_ptr()) % (4 * g.element_size()) == 0;
