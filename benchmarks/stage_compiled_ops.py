@@ -5,9 +5,9 @@ categorical_kl forward+backward >= 3x faster than reference with <= 1/3 of its
 extra peak memory, noise_embeddings and ddim_teacher_step >= 2x. On a GPU each
 kernel also reports its achieved bandwidth (bytes it must move / time) as a
 fraction of the card's measured copy bandwidth (goal >= 0.85), and noise_embeddings
-fwd+bwd is timed once more as ``compiled-sliced``: the backward summing into a slice
+fwd+bwd is timed twice more, as ``compiled-sliced``: the backward summing into a slice
 of the table in shared memory (VQLCMD_NOISE_BACKWARD=sliced) instead of atomics
-into the table in memory.
+into the table in memory, and ``compiled-sliced-1``: the same in one row split.
 
 On CPU also gelu_tanh (the denoiser's MLP nonlinearity; no CUDA kernel) over
 (N, 4 D) activations, against PyTorch's tanh GELU, and ada_layer_norm (the
@@ -24,7 +24,12 @@ from vqlcmd import ops
 STAGE = "compiled_ops"
 # variants of the compiled backend, timed beside it on a GPU: name -> (the case it changes, the
 # environment it runs under; read by the CUDA launcher at each call, so also while a graph is captured)
-VARIANTS = {"compiled-sliced": ("noise_embeddings fwd+bwd", {"VQLCMD_NOISE_BACKWARD": "sliced"})}
+VARIANTS = {
+    "compiled-sliced": ("noise_embeddings fwd+bwd", {"VQLCMD_NOISE_BACKWARD": "sliced"}),
+    # one row split: half the SMs, no zero-fill and no atomics into memory
+    "compiled-sliced-1": ("noise_embeddings fwd+bwd",
+                          {"VQLCMD_NOISE_BACKWARD": "sliced", "VQLCMD_NOISE_SLICED_SPLITS": "1"}),
+}
 
 
 def _under(fn, env: dict):

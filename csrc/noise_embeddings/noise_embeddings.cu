@@ -301,7 +301,15 @@ __global__ void noise_backward_runs_kernel(const int64_t* __restrict__ sorted, c
 // plain store when there is one split (which also writes the rows no token hit, so the
 // output needs no zero-fill), else an atomic add. Every block reads all of its split's
 // ids (64 times at D = 256, from L2). Not yet the default: no GPU has timed it.
-constexpr int kSliceCols = 4;
+//
+// Float atomics on shared memory are a compare-and-swap loop on sm_90 (ATOMS.CAST.SPIN),
+// and the lanes of a warp hit random rows, so bank conflicts set their cost. The slice
+// is stored column by column (acc[j * V + row]): one instruction's 32 lanes then spread
+// over all 32 banks (about 3.5 to a bank at worst), where rows of four consecutive floats
+// would put them into 8 groups of 4 banks (about 7). The [mask] row, which a fifth of
+// the tokens hit when dropping, is summed in registers instead.
+constexpr int kSliceCols = 4;  // one Pack4 of the gradient per token; the flush below spells out 4
+static_assert(kSliceCols == 4, "the sliced kernel moves its columns as one Pack4 / float4");
 constexpr int kSlicedThreads = 512;
 // a split no shorter than this, so that zeroing and flushing the slice stay small beside its tokens
 constexpr int64_t kMinSplitTokens = 4096;
@@ -312,16 +320,13 @@ __global__ void __launch_bounds__(kSlicedThreads)
                                  const bool* __restrict__ drop, int64_t mask_index, const float* __restrict__ alpha,
                                  float* __restrict__ out, int64_t N, int64_t M, int64_t D, int64_t V, int64_t hot_row,
                                  int64_t split_tokens, bool add, int* bad) {
-  extern __shared__ float4 slice[];  // (V, kSliceCols): this block's columns of every table row
-  float* const acc = reinterpret_cast<float*>(slice);
+  extern __shared__ float acc[];  // (kSliceCols, V): this block's columns of every table row
   const int64_t d = static_cast<int64_t>(blockIdx.x) * kSliceCols;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) slice[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int64_t i = threadIdx.x; i < kSliceCols * V; i += blockDim.x) acc[i] = 0.0f;
   __syncthreads();
   const int64_t begin = static_cast<int64_t>(blockIdx.y) * split_tokens;
   const int64_t end = begin + split_tokens < N ? begin + split_tokens : N;
-  // The [mask] row takes a fifth or so of all tokens when dropping: summed in registers, it
-  // costs no shared-memory atomics on one address from many lanes at once.
-  float hot[kSliceCols] = {};
+  float hot[kSliceCols] = {};  // this thread's share of the [mask] row
   for (int64_t r0 = begin + static_cast<int64_t>(threadIdx.x) * kTokensPerThread; r0 < end;
        r0 += static_cast<int64_t>(blockDim.x) * kTokensPerThread) {
     float g[kTokensPerThread][kSliceCols];
@@ -372,7 +377,7 @@ __global__ void __launch_bounds__(kSlicedThreads)
         row[k] = -1;
       }
 #pragma unroll
-      for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + row[i] * kSliceCols + j, g[i][j]);
+      for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + j * V + row[i], g[i][j]);
     }
   }
   if (hot_row >= 0) {  // every thread of the block gets here: whole warps shuffle
@@ -383,17 +388,16 @@ __global__ void __launch_bounds__(kSlicedThreads)
     }
     if (threadIdx.x % 32 == 0) {
 #pragma unroll
-      for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + hot_row * kSliceCols + j, hot[j]);
+      for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + j * V + hot_row, hot[j]);
     }
   }
   __syncthreads();
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float4 x = slice[v];
+    const float x[kSliceCols] = {acc[v], acc[V + v], acc[2 * V + v], acc[3 * V + v]};
     if (!add) {
-      *reinterpret_cast<float4*>(out + v * D + d) = x;
-    } else if (x.x != 0.0f || x.y != 0.0f || x.z != 0.0f || x.w != 0.0f) {
-      const float v4[kSliceCols] = {x.x, x.y, x.z, x.w};
-      atomic_add(out + v * D + d, v4);
+      *reinterpret_cast<float4*>(out + v * D + d) = make_float4(x[0], x[1], x[2], x[3]);
+    } else if (x[0] != 0.0f || x[1] != 0.0f || x[2] != 0.0f || x[3] != 0.0f) {
+      atomic_add(out + v * D + d, x);
     }
   }
 }
@@ -407,8 +411,21 @@ bool sliced_backward_requested() {
   return name == "sliced";
 }
 
-// Row splits of the sliced backward: about one block per two multiprocessors in all, each
-// split at least kMinSplitTokens long; and whether the slice of V rows fits shared memory.
+// VQLCMD_NOISE_SLICED_SPLITS: a positive number of row splits for the sliced backward, in place
+// of its own choice (for tuning on a new card; 1 is the one without zero-fill); 0 when unset.
+int64_t sliced_splits_override() {
+  const char* v = std::getenv("VQLCMD_NOISE_SLICED_SPLITS");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  TORCH_CHECK(*end == '\0' && n > 0, "VQLCMD_NOISE_SLICED_SPLITS must be a positive integer, got '", v, "'");
+  return n;
+}
+
+// Row splits of the sliced backward: about one block per multiprocessor in all (64 slices of
+// D = 256 on 132 SMs: 2 splits), each split at least kMinSplitTokens long. Fewer blocks would
+// leave SMs idle and put all of a slice's shared-memory atomics on one SM; more would add
+// another V x D of atomics into memory per split. Also whether the slice fits shared memory.
 struct SlicedLaunch {
   bool fits = false;
   int64_t splits = 1, split_tokens = 0;
@@ -423,8 +440,10 @@ SlicedLaunch sliced_launch(int64_t N, int64_t D, int64_t V) {
   l.smem = static_cast<size_t>(V) * kSliceCols * sizeof(float);
   l.fits = l.smem <= static_cast<size_t>(smem_max);
   const int64_t slices = D / kSliceCols;
-  const int64_t wanted = std::max<int64_t>(1, (sms + slices) / (2 * slices));
-  l.splits = std::max<int64_t>(1, std::min(wanted, N / kMinSplitTokens));
+  const int64_t wanted = std::max<int64_t>(1, (sms + slices / 2) / slices);
+  const int64_t forced = sliced_splits_override();
+  l.splits = std::min<int64_t>(forced > 0 ? forced : std::max<int64_t>(1, std::min(wanted, N / kMinSplitTokens)),
+                                65535);  // gridDim.y
   // whole thread chunks per split, so no chunk straddles two splits
   const int64_t chunk = kTokensPerThread;
   l.split_tokens = ((N + l.splits - 1) / l.splits + chunk - 1) / chunk * chunk;

@@ -206,16 +206,20 @@ def test_noise_backward_cuda_bad_ids_raise(backward, monkeypatch):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("N,D,V", [
-    (16384, 256, 1025),  # the benchmark's shape: one row split, the slice stored (no zero-fill)
-    (3 * 4096 + 5, 8, 1025),  # two slices, so several row splits add theirs atomically; a ragged last split
-    (4096, 16, 20000),  # 20000 rows x 16 bytes do not fit shared memory: the atomic kernel takes it
-    (40, 256, 3000),  # few tokens, most table rows untouched: the stored slice zeroes them
+@pytest.mark.parametrize("N,D,V,splits", [
+    (16384, 256, 1025, None),  # the benchmark's shape, its own choice of row splits (2 on 132 SMs)
+    (16384, 256, 1025, "1"),  # one split: the slice stored, no zero-fill
+    (16384, 256, 1025, "5"),  # splits ragged against the thread chunks, added atomically
+    (3 * 4096 + 5, 8, 1025, None),  # two slices, so several row splits; a ragged last split
+    (4096, 16, 20000, None),  # 20000 rows x 16 bytes do not fit shared memory: the atomic kernel takes it
+    (40, 256, 3000, None),  # few tokens, most table rows untouched: the stored slice zeroes them
 ])
-def test_noise_backward_cuda_sliced_matches_float64(N, D, V, monkeypatch):
+def test_noise_backward_cuda_sliced_matches_float64(N, D, V, splits, monkeypatch):
     """The sliced backward against a float64 index_add, with 20% of tokens dropped to the [mask] row
     (summed in registers) and the rest spread over the table."""
     monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", "sliced")
+    if splits is not None:
+        monkeypatch.setenv("VQLCMD_NOISE_SLICED_SPLITS", splits)
     g = torch.Generator(CUDA).manual_seed(11)
     B = 4 if N % 4 == 0 else 1
     M = N // B
@@ -230,10 +234,16 @@ def test_noise_backward_cuda_sliced_matches_float64(N, D, V, monkeypatch):
     torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-5)
 
 
-def test_noise_backward_env_must_name_a_kernel(monkeypatch):
-    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", "fast")
+@pytest.mark.parametrize("env,value,message", [
+    ("VQLCMD_NOISE_BACKWARD", "fast", "VQLCMD_NOISE_BACKWARD must be atomic or sliced"),
+    ("VQLCMD_NOISE_SLICED_SPLITS", "0", "VQLCMD_NOISE_SLICED_SPLITS must be a positive integer"),
+    ("VQLCMD_NOISE_SLICED_SPLITS", "2x", "VQLCMD_NOISE_SLICED_SPLITS must be a positive integer"),
+])
+def test_noise_backward_switches_refuse_bad_values(env, value, message, monkeypatch):
+    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", "sliced")
+    monkeypatch.setenv(env, value)
     one = torch.ones(1, device=CUDA)
-    with pytest.raises(RuntimeError, match="VQLCMD_NOISE_BACKWARD must be atomic or sliced"):
+    with pytest.raises(RuntimeError, match=message):
         torch.ops.vqlcmd.noise_embeddings_backward(torch.randn(1, 3, 8, device=CUDA),
                                                    torch.zeros(1, 3, dtype=torch.long, device=CUDA), None, -1, one,
                                                    5, False)
