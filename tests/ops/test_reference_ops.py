@@ -34,6 +34,27 @@ def test_unavailable_backend_says_why(monkeypatch):
     ops.categorical_kl(x, x)  # auto skips it
 
 
+@pytest.mark.parametrize("checks_ids", [False, True])
+def test_public_range_check_runs_unless_the_backend_checks_ids_itself(checks_ids, monkeypatch):
+    # a backend registered with checks_ids gets the bad ids (and owes the IndexError); any other is
+    # protected by vqlcmd.ops' own check before it is called
+    from vqlcmd.ops import _dispatch
+
+    calls = []
+    fake = _dispatch._Impl(fn=lambda *a, **k: calls.append(a), unavailable=_dispatch._never,
+                           unsupported=_dispatch._never, priority=lambda d: 0, checks_ids=checks_ids)
+    monkeypatch.setitem(_dispatch._REGISTRY["ddim_teacher_step"], "reference", fake)
+    tokens, table, z = torch.tensor([[0, 9]]), torch.randn(4, 3), torch.randn(1, 2, 3)
+    one = torch.ones(1)
+    if checks_ids:
+        ops.ddim_teacher_step(tokens, table, z, one, one, one, one, backend="reference")
+        assert len(calls) == 1
+    else:
+        with pytest.raises(IndexError, match="tokens holds id 9"):
+            ops.ddim_teacher_step(tokens, table, z, one, one, one, one, backend="reference")
+        assert calls == []
+
+
 # ---- softmax_embedding_average ----------------------------------------------------------------
 
 def test_softmax_embedding_average_matches_loop(gen):

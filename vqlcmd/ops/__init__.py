@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import _checks, reference
-from ._dispatch import BACKENDS, available_backends, register, resolve, resolve_named, why_not
+from ._dispatch import BACKENDS, available_backends, register, resolve, resolve_impl, why_not
 
 __all__ = [
     "BACKENDS",
@@ -100,10 +100,10 @@ def noise_embeddings(
     Differentiable in ``table``; the result has ``table``'s dtype.
     """
     _checks.check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index)
-    name, fn = resolve_named("noise_embeddings", backend, table, tokens)
-    if name != "compiled":  # the compiled kernels check each id as they read it (the same IndexError)
+    impl = resolve_impl("noise_embeddings", backend, table, tokens)
+    if not impl.checks_ids:
         _checks.check_token_range("tokens", tokens, table.shape[0])
-    return fn(tokens, table, alpha, sigma, noise=noise, drop_mask=drop_mask, mask_index=mask_index,
+    return impl.fn(tokens, table, alpha, sigma, noise=noise, drop_mask=drop_mask, mask_index=mask_index,
               generator=generator)
 
 
@@ -124,10 +124,10 @@ def ddim_teacher_step(
     (the teacher is a fixed target).
     """
     _checks.check_ddim_inputs(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
-    name, fn = resolve_named("ddim_teacher_step", backend, z_t, tokens)
-    if name != "compiled":  # as in noise_embeddings
+    impl = resolve_impl("ddim_teacher_step", backend, z_t, tokens)
+    if not impl.checks_ids:
         _checks.check_token_range("tokens", tokens, table.shape[0])
-    return fn(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
+    return impl.fn(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
 
 
 def gelu_tanh(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -304,9 +304,11 @@ def _register_library() -> None:
 if _C is not None:
     _register_library()
 
-for _op, _fn in (("noise_embeddings", noise_embeddings), ("ddim_teacher_step", ddim_teacher_step),
-                 ("categorical_kl", categorical_kl)):
-    register(_op, "compiled", _fn, unavailable=unavailable, unsupported=unsupported, priority=_priority)
+# the token-id kernels raise IndexError on an id outside the table as they read it (TORCH_CHECK_INDEX)
+for _op, _fn, _ids in (("noise_embeddings", noise_embeddings, True), ("ddim_teacher_step", ddim_teacher_step, True),
+                       ("categorical_kl", categorical_kl, False)):
+    register(_op, "compiled", _fn, unavailable=unavailable, unsupported=unsupported, priority=_priority,
+             checks_ids=_ids)
 register("gelu_tanh", "compiled", gelu_tanh, unavailable=unavailable, unsupported=_gelu_unsupported,
          priority=_priority)
 register("ada_layer_norm", "compiled", ada_layer_norm, unavailable=unavailable, unsupported=_ada_unsupported,

@@ -8,6 +8,10 @@ implementation plus two questions it can answer:
 - ``unsupported(*tensors)``: why it cannot serve these particular inputs
   (wrong device, dtype), or ``None``.
 
+It also says whether it checks its token ids itself (``checks_ids``): the
+compiled kernels raise the same IndexError as they read each id, so the public
+function skips its own range check (a read-back to the host) for them.
+
 ``auto`` walks the backends in priority order and takes the first that can
 serve; an explicit backend that cannot serve raises with the reason, as
 xformers' dispatcher does.
@@ -29,6 +33,8 @@ class _Impl:
     unsupported: Callable[..., Optional[str]]
     # higher runs first under backend="auto"; per device type
     priority: Callable[[torch.device], int]
+    # raises IndexError on a token id outside the table by itself (vqlcmd.ops then does not check first)
+    checks_ids: bool = False
 
 
 _REGISTRY: dict[str, dict[str, _Impl]] = {}
@@ -46,10 +52,11 @@ def register(
     unavailable: Callable[[], Optional[str]] = _never,
     unsupported: Callable[..., Optional[str]] = _never,
     priority: Callable[[torch.device], int] = lambda device: 0,
+    checks_ids: bool = False,
 ) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    _REGISTRY.setdefault(op, {})[backend] = _Impl(fn, unavailable, unsupported, priority)
+    _REGISTRY.setdefault(op, {})[backend] = _Impl(fn, unavailable, unsupported, priority, checks_ids)
 
 
 def _impls(op: str) -> dict[str, _Impl]:
@@ -75,8 +82,8 @@ def why_not(op: str, backend: str, *tensors: torch.Tensor) -> Optional[str]:
     return reason
 
 
-def resolve_named(op: str, backend: str, *tensors: torch.Tensor) -> tuple[str, Callable]:
-    """The backend (by name) and implementation of ``op`` to run for ``backend`` on these inputs."""
+def resolve_impl(op: str, backend: str, *tensors: torch.Tensor) -> _Impl:
+    """The registered implementation of ``op`` to run for ``backend`` on these inputs."""
     impls = _impls(op)
     if backend != "auto":
         if backend not in BACKENDS:
@@ -84,15 +91,15 @@ def resolve_named(op: str, backend: str, *tensors: torch.Tensor) -> tuple[str, C
         reason = why_not(op, backend, *tensors)
         if reason is not None:
             raise RuntimeError(f"{op}: backend {backend!r} cannot serve these inputs: {reason}")
-        return backend, impls[backend].fn
+        return impls[backend]
     device = tensors[0].device
     ranked = sorted(impls.items(), key=lambda kv: -kv[1].priority(device))
     for name, impl in ranked:
         if why_not(op, name, *tensors) is None:
-            return name, impl.fn
+            return impl
     raise RuntimeError(f"{op}: no backend can serve these inputs")  # reference always can
 
 
 def resolve(op: str, backend: str, *tensors: torch.Tensor) -> Callable:
     """The implementation of ``op`` to run for ``backend`` on these inputs."""
-    return resolve_named(op, backend, *tensors)[1]
+    return resolve_impl(op, backend, *tensors).fn
