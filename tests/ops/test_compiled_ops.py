@@ -26,6 +26,21 @@ def close(actual, expected, dtype, scale=1.0):
     torch.testing.assert_close(actual.float(), expected.float(), **tol)
 
 
+def assert_backends_match_float64(op, leaves, upstream, out64, grads64, dtype, grad_scales):
+    """``op``'s output and the gradients of every input (non-unit ``upstream``), on the compiled and the
+    reference backend, against float64 results: each in the inputs' shape and dtype, the output within 4x
+    the dtype's tolerance and each gradient within its ``grad_scales`` multiple of it."""
+    for backend in ("compiled", "reference"):
+        inputs = [x.clone().requires_grad_() for x in leaves]
+        out = op(*inputs, backend=backend)
+        grads = torch.autograd.grad(out, inputs, upstream)
+        assert out.shape == out64.shape and out.dtype == dtype
+        assert all(g.shape == x.shape and g.dtype == dtype for g, x in zip(grads, leaves))
+        close(out, out64, dtype, scale=4.0)
+        for g, r, s in zip(grads, grads64, grad_scales, strict=True):
+            close(g, r, dtype, scale=s)
+
+
 def assert_compiled_graph_matches_reference(op, tensors, value_tol=None, grad_tol=None):
     """``2 * op(*tensors)`` under torch.compile (fullgraph, aot_eager: the fake and autograd
     registrations) gives the reference backend's values and input gradients."""
@@ -490,16 +505,9 @@ def test_ada_layer_norm_matches_float64(shape, dtype, gen):
     shift = torch.randn(B, W, generator=gen).to(dtype)
     upstream = torch.randn(shape, generator=gen).to(dtype)
     y64, g64 = _ada_float64(h, scale, shift, upstream)
-    for backend in ("compiled", "reference"):
-        inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
-        y = ops.ada_layer_norm(*inputs, backend=backend)
-        grads = torch.autograd.grad(y, inputs, upstream)
-        assert y.dtype == dtype and all(g.dtype == dtype for g in grads)
-        close(y, y64, dtype, scale=4.0)
-        close(grads[0], g64[0], dtype, scale=8.0)
-        # d scale and d shift sum M rows: their rounding grows with M
-        close(grads[1], g64[1], dtype, scale=8.0 * M)
-        close(grads[2], g64[2], dtype, scale=8.0 * M)
+    # d scale and d shift sum M rows: their rounding grows with M
+    assert_backends_match_float64(ops.ada_layer_norm, (h, scale, shift), upstream, y64, g64, dtype,
+                                  grad_scales=(8.0, 8.0 * M, 8.0 * M))
 
 
 def test_ada_layer_norm_rows_far_from_zero(gen):
@@ -573,14 +581,8 @@ def test_short_attention_matches_float64(shape, dtype, gen):
     q, k, v = ((torch.randn(shape, generator=gen) * 1.5).to(dtype) for _ in range(3))
     upstream = torch.randn(shape, generator=gen).to(dtype)
     o64, g64 = _attention_float64(q, k, v, upstream)
-    for backend in ("compiled", "reference"):
-        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-        out = ops.short_attention(*inputs, backend=backend)
-        grads = torch.autograd.grad(out, inputs, upstream)
-        assert out.shape == shape and out.dtype == dtype and all(g.dtype == dtype for g in grads)
-        close(out, o64, dtype, scale=4.0)
-        for g, r in zip(grads, g64):
-            close(g, r, dtype, scale=8.0 * math.sqrt(shape[2]))
+    assert_backends_match_float64(ops.short_attention, (q, k, v), upstream, o64, g64, dtype,
+                                  grad_scales=(8.0 * math.sqrt(shape[2]),) * 3)
 
 
 def test_short_attention_takes_the_denoisers_strided_views_and_large_scores(gen):
