@@ -159,6 +159,62 @@ __device__ __forceinline__ void atomic_add(float* p, const float (&v)[4]) {
 
 __device__ __forceinline__ void atomic_add(float* p, const float (&v)[1]) { atomicAdd(p, v[0]); }
 
+// A thread's chunk of kTokensPerThread consecutive tokens from r0, for columns [d, d + kPack):
+// g = alpha[batch] * grad, and row = the table row to add it to, or -1 for nothing (a token at or
+// past `end`, or a bad id, which raises *bad). Every gradient load is issued before the ids, and
+// the ids before the first is used, so all of them are in flight at once.
+template <typename grad_t, int kPack>
+__device__ __forceinline__ void load_chunk(const grad_t* __restrict__ grad, const int64_t* __restrict__ ids,
+                                           const bool* __restrict__ drop, int64_t mask_index,
+                                           const float* __restrict__ alpha, int64_t r0, int64_t end, int64_t M,
+                                           int64_t D, int64_t V, int64_t d, int* bad,
+                                           float (&g)[kTokensPerThread][kPack], int64_t (&row)[kTokensPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kTokensPerThread; ++i) {
+    if (r0 + i < end) {
+      cuda::load<kPack>(grad + (r0 + i) * D + d, g[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) g[i][j] = 0.0f;
+    }
+  }
+  float scale[kTokensPerThread];
+  int64_t b = r0 / M, m = r0 - b * M;
+#pragma unroll
+  for (int i = 0; i < kTokensPerThread; ++i) {
+    const bool in = r0 + i < end;
+    row[i] = in ? token_row(ids, drop, mask_index, r0 + i) : -1;
+    scale[i] = in ? alpha[b] : 0.0f;
+    if (++m == M) {  // the next token starts batch b + 1
+      m = 0;
+      ++b;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kTokensPerThread; ++i) {
+    if (r0 + i < end && !row_in_range(row[i], V)) {
+      if (bad) *bad = 1;
+      row[i] = -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) g[i][j] *= scale[i];
+  }
+}
+
+// Adds into token i's gradient those of the later tokens of its chunk with the same row, whose rows
+// become -1: one atomic for each distinct row.
+template <int kPack>
+__device__ __forceinline__ void merge_equal_rows(int i, float (&g)[kTokensPerThread][kPack],
+                                                 int64_t (&row)[kTokensPerThread]) {
+#pragma unroll
+  for (int k = i + 1; k < kTokensPerThread; ++k) {
+    if (row[k] != row[i]) continue;
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) g[i][j] += g[k][j];
+    row[k] = -1;
+  }
+}
+
 // hot_row: -1, or a row whose sum is kept in shared memory (D floats).
 template <typename grad_t, int kPack>
 __global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ ids,
@@ -174,51 +230,13 @@ __global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, co
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < chunks * packs; q += stride) {
     const int64_t chunk = q / packs, d = (q - chunk * packs) * kPack, r0 = chunk * kTokensPerThread;
-    // The gradient loads do not wait for the ids, so all of them are in flight at once.
     float g[kTokensPerThread][kPack];
-#pragma unroll
-    for (int i = 0; i < kTokensPerThread; ++i) {
-      const int64_t r = r0 + i;
-      if (r >= N) {
-#pragma unroll
-        for (int j = 0; j < kPack; ++j) g[i][j] = 0.0f;
-        continue;
-      }
-      cuda::load<kPack>(grad + r * D + d, g[i]);
-    }
-    // Ids and scales next, all loads issued before the first is used.
     int64_t row[kTokensPerThread];  // -1: nothing to add (past N, a bad id, or merged)
-    float scale[kTokensPerThread];
-    int64_t b = r0 / M, m = r0 - b * M;
-#pragma unroll
-    for (int i = 0; i < kTokensPerThread; ++i) {
-      const bool in = r0 + i < N;
-      row[i] = in ? token_row(ids, drop, mask_index, r0 + i) : -1;
-      scale[i] = in ? alpha[b] : 0.0f;
-      if (++m == M) {  // the next token starts batch b + 1
-        m = 0;
-        ++b;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kTokensPerThread; ++i) {
-      if (r0 + i < N && !row_in_range(row[i], V)) {
-        if (bad) *bad = 1;
-        row[i] = -1;
-      }
-#pragma unroll
-      for (int j = 0; j < kPack; ++j) g[i][j] *= scale[i];
-    }
+    load_chunk<grad_t, kPack>(grad, ids, drop, mask_index, alpha, r0, N, M, D, V, d, bad, g, row);
 #pragma unroll
     for (int i = 0; i < kTokensPerThread; ++i) {
       if (row[i] < 0) continue;
-#pragma unroll
-      for (int k = i + 1; k < kTokensPerThread; ++k) {
-        if (row[k] != row[i]) continue;
-#pragma unroll
-        for (int j = 0; j < kPack; ++j) g[i][j] += g[k][j];
-        row[k] = -1;
-      }
+      merge_equal_rows<kPack>(i, g, row);
       if (row[i] == hot_row) {
 #pragma unroll
         for (int j = 0; j < kPack; ++j) atomicAdd(hot + d + j, g[i][j]);
@@ -330,37 +348,8 @@ __global__ void __launch_bounds__(kSlicedThreads)
   for (int64_t r0 = begin + static_cast<int64_t>(threadIdx.x) * kTokensPerThread; r0 < end;
        r0 += static_cast<int64_t>(blockDim.x) * kTokensPerThread) {
     float g[kTokensPerThread][kSliceCols];
-#pragma unroll
-    for (int i = 0; i < kTokensPerThread; ++i) {
-      if (r0 + i < end) {
-        cuda::load<kSliceCols>(grad + (r0 + i) * D + d, g[i]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kSliceCols; ++j) g[i][j] = 0.0f;
-      }
-    }
     int64_t row[kTokensPerThread];  // -1: nothing to add (past the split, a bad id, or merged)
-    float scale[kTokensPerThread];
-    int64_t b = r0 / M, m = r0 - b * M;
-#pragma unroll
-    for (int i = 0; i < kTokensPerThread; ++i) {
-      const bool in = r0 + i < end;
-      row[i] = in ? token_row(ids, drop, mask_index, r0 + i) : -1;
-      scale[i] = in ? alpha[b] : 0.0f;
-      if (++m == M) {
-        m = 0;
-        ++b;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kTokensPerThread; ++i) {
-      if (r0 + i < end && !row_in_range(row[i], V)) {
-        if (bad) *bad = 1;
-        row[i] = -1;
-      }
-#pragma unroll
-      for (int j = 0; j < kSliceCols; ++j) g[i][j] *= scale[i];
-    }
+    load_chunk<grad_t, kSliceCols>(grad, ids, drop, mask_index, alpha, r0, end, M, D, V, d, bad, g, row);
 #pragma unroll
     for (int i = 0; i < kTokensPerThread; ++i) {
       if (row[i] < 0) continue;
@@ -369,13 +358,7 @@ __global__ void __launch_bounds__(kSlicedThreads)
         for (int j = 0; j < kSliceCols; ++j) hot[j] += g[i][j];
         continue;
       }
-#pragma unroll
-      for (int k = i + 1; k < kTokensPerThread; ++k) {
-        if (row[k] != row[i]) continue;
-#pragma unroll
-        for (int j = 0; j < kSliceCols; ++j) g[i][j] += g[k][j];
-        row[k] = -1;
-      }
+      merge_equal_rows<kSliceCols>(i, g, row);
 #pragma unroll
       for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + j * V + row[i], g[i][j]);
     }
