@@ -43,8 +43,9 @@ triton.__version__, torch.cuda.get_device_name(), 'CUDA_HOME=${CUDA_HOME:-}')"
 
 MAX_JOBS=${MAX_JOBS:-$(nproc)} step build 240 "$py" setup.py build_ext --inplace
 # on a fresh machine the Triton tests compile and autotune every kernel first: on an H100 the
-# compiled-op and Triton tests alone did not finish in 100 s with a cold cache
-step gpu-tests 200 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests
+# compiled-op and Triton tests alone did not finish in 100 s with a cold cache (and the delta and
+# sliced-backward variants add compiles and cases since)
+step gpu-tests 240 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests
 step bench 170 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
   --stage compiled_ops,softmax_embedding_average,attention,zero,train_step,sampling,denoiser
 launcher=("$py" scripts/train.py)
