@@ -63,11 +63,16 @@ constexpr int kThreads = 256;
 // never more than the work needs.
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-inline int blocks_for(int64_t work) {
-  const int64_t need = (work + kThreads - 1) / kThreads;
+// Multiprocessors of the current device (132 on an H100 SXM).
+inline int multiprocessors() {
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  const int64_t fill = static_cast<int64_t>(sms) * 16;
+  return sms;
+}
+
+inline int blocks_for(int64_t work) {
+  const int64_t need = (work + kThreads - 1) / kThreads;
+  const int64_t fill = static_cast<int64_t>(multiprocessors()) * 16;
   return static_cast<int>(std::max<int64_t>(1, std::min(need, fill)));
 }
 

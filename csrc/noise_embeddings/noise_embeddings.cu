@@ -417,9 +417,10 @@ struct SlicedLaunch {
 
 SlicedLaunch sliced_launch(int64_t N, int64_t D, int64_t V) {
   SlicedLaunch l;
-  int device = c10::cuda::current_device(), sms = 0, smem_max = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int sms = cuda::multiprocessors();
+  int smem_max = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        c10::cuda::current_device()));
   l.smem = static_cast<size_t>(V) * kSliceCols * sizeof(float);
   l.fits = l.smem <= static_cast<size_t>(smem_max);
   const int64_t slices = D / kSliceCols;
@@ -453,11 +454,7 @@ constexpr int kHotBlocksPerSm = 2;
 
 int atomic_backward_blocks(int64_t items, bool hot) {
   int blocks = cuda::blocks_for(items);
-  if (hot) {
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-    blocks = std::min(blocks, sms * kHotBlocksPerSm);
-  }
+  if (hot) blocks = std::min(blocks, cuda::multiprocessors() * kHotBlocksPerSm);
   return blocks;
 }
 
