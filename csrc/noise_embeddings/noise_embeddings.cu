@@ -475,7 +475,8 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
   const bool packed = D % 4 == 0 && reinterpret_cast<uintptr_t>(g.data_ptr()) % (4 * g.element_size()) == 0;
   const bool want_sliced = sliced_backward_requested();  // checked on every call, so a typo never passes
   SlicedLaunch sliced;
-  if (want_sliced && !deterministic && N > 0 && packed) sliced = sliced_launch(N, D, num_rows);
+  // (D > 0: sliced_launch divides by the number of column slices)
+  if (want_sliced && !deterministic && N > 0 && D > 0 && packed) sliced = sliced_launch(N, D, num_rows);
   // one split stores every element of its slices: no zero-fill
   at::Tensor out = sliced.fits && sliced.splits == 1 ? at::empty({num_rows, D}, grad.options().dtype(at::kFloat))
                                                      : at::zeros({num_rows, D}, grad.options().dtype(at::kFloat));

@@ -213,6 +213,7 @@ def test_noise_backward_cuda_bad_ids_raise(backward, monkeypatch):
     (3 * 4096 + 5, 8, 1025, None),  # two slices, so several row splits; a ragged last split
     (4096, 16, 20000, None),  # 20000 rows x 16 bytes do not fit shared memory: the atomic kernel takes it
     (40, 256, 3000, None),  # few tokens, most table rows untouched: the stored slice zeroes them
+    (64, 0, 10, None),  # D = 0: no column slices, an empty gradient (the launcher must not divide by 0)
 ])
 def test_noise_backward_cuda_sliced_matches_float64(N, D, V, splits, monkeypatch):
     """The sliced backward against a float64 index_add, with 20% of tokens dropped to the [mask] row
