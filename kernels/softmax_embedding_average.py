@@ -352,12 +352,18 @@ FORWARD_ENV = "VQLCMD_TRITON_FORWARD"
 FORWARD_VARIANTS = ("fused", "chunked")
 
 
-def forward_variant(variant: Optional[str] = None) -> str:
-    """``variant``, else $VQLCMD_TRITON_FORWARD, else "fused" (read per call so a benchmark can switch)."""
-    variant = variant or os.environ.get(FORWARD_ENV) or "fused"
-    if variant not in FORWARD_VARIANTS:
-        raise ValueError(f"{FORWARD_ENV} must be one of {', '.join(FORWARD_VARIANTS)}, got {variant!r}")
+def _choice(variant: Optional[str], env: str, choices: tuple, default: str) -> str:
+    """``variant``, else $``env``, else ``default``, checked against ``choices``; the environment is read
+    per call so that a benchmark can switch variants between calls."""
+    variant = variant or os.environ.get(env) or default
+    if variant not in choices:
+        raise ValueError(f"{env} must be one of {', '.join(choices)}, got {variant!r}")
     return variant
+
+
+def forward_variant(variant: Optional[str] = None) -> str:
+    """``variant``, else $VQLCMD_TRITON_FORWARD, else "fused"."""
+    return _choice(variant, FORWARD_ENV, FORWARD_VARIANTS, "fused")
 
 
 def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Tensor] = None,
@@ -394,14 +400,12 @@ BACKWARD_VARIANTS = ("auto", "fused", "split", "chunked", "mm")
 
 
 def backward_variant(variant: Optional[str] = None, dot=None) -> str:
-    """``variant``, else $VQLCMD_TRITON_BACKWARD, else "auto"; read per call so a benchmark can switch.
+    """``variant``, else $VQLCMD_TRITON_BACKWARD, else "auto".
 
     "auto" resolves by ``dot``, the ``tl.dot`` operand dtype: "mm" for 16-bit operands (the fastest on
     an H100, module docstring), "split" for float32 and under the interpreter (where ``dot`` is float32).
     """
-    variant = variant or os.environ.get(BACKWARD_ENV) or "auto"
-    if variant not in BACKWARD_VARIANTS:
-        raise ValueError(f"{BACKWARD_ENV} must be one of {', '.join(BACKWARD_VARIANTS)}, got {variant!r}")
+    variant = _choice(variant, BACKWARD_ENV, BACKWARD_VARIANTS, "auto")
     if variant == "auto" and dot is not None:
         variant = "split" if dot == tl.float32 else "mm"
     return variant
@@ -412,7 +416,7 @@ DELTA_VARIANTS = ("kernel", "fused")
 
 
 def delta_variant(variant: Optional[str] = None) -> str:
-    """``variant``, else $VQLCMD_TRITON_DELTA, else "kernel" (read per call so a benchmark can switch).
+    """``variant``, else $VQLCMD_TRITON_DELTA, else "kernel".
 
     Where the dlogits kernel of the "split" and "mm" backwards gets delta = rowsum(dY ∘ Y) − dLSE:
     "kernel", from the small delta kernel that runs first (14 µs of the 241 µs fwd+bwd on an H100 at
@@ -422,10 +426,7 @@ def delta_variant(variant: Optional[str] = None) -> str:
     pass over dY and Y in memory for extra (mostly L2) reads of Y in every K block of a row block.
     "kernel" stays the default until a GPU run says "fused" pays (benchmarks: ``triton-delta``).
     """
-    variant = variant or os.environ.get(DELTA_ENV) or "kernel"
-    if variant not in DELTA_VARIANTS:
-        raise ValueError(f"{DELTA_ENV} must be one of {', '.join(DELTA_VARIANTS)}, got {variant!r}")
-    return variant
+    return _choice(variant, DELTA_ENV, DELTA_VARIANTS, "kernel")
 
 
 def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logits: torch.Tensor,
