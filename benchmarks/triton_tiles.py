@@ -25,6 +25,8 @@ if str(ROOT) not in sys.path:
 EXTRA = {
     "forward": [(128, 64, 256, 8, 2), (128, 128, 256, 8, 2), (64, 64, 256, 4, 4), (128, 64, 256, 4, 3),
                 (64, 32, 256, 4, 4), (128, 32, 256, 4, 4)],
+    # VQLCMD_TRITON_FORWARD=two-pass: no rescaling between products, so longer K tiles may pay
+    "forward_two_pass": [(64, 128, 256, 4, 2), (128, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 64, 256, 4, 2)],
     "grad_logits": [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3),
                     (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
     # the mm backward's dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused) and writing P
@@ -39,7 +41,7 @@ TUNED_AS = {"grad_logits+delta": "grad_logits"}
 def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dtype):
     """(launcher, tensors): ``launcher(name, cfg)`` returns a call of that kernel alone at that tile
     (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages), on the inputs in ``tensors``, writing the outputs
-    there: ``out`` and ``lse`` (forward), ``grad_logits`` (and ``p`` for grad_logits+delta) and ``dst``
+    there: ``out`` and ``lse`` (both forwards), ``grad_logits`` (and ``p`` for grad_logits+delta) and ``dst``
     (dtable, added to: zero it first)."""
     import triton
 
@@ -51,6 +53,7 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
     table = torch.randn(K, D, device=device, generator=g).to(dtype)
     dy = torch.randn(N, D, device=device, generator=g).to(dtype)
     out, lse = sea.forward(logits, table)  # the public launchers autotune, so their picks can be printed
+    sea.forward(logits, table, variant="two-pass")
     sea.backward(dy, out, lse, logits, table)
     t = dict(logits=logits, table=table, dy=dy, out=out, lse=lse, grad_logits=torch.empty_like(logits),
              p=torch.empty_like(logits), delta=(dy.float() * out.float()).sum(-1), dst=torch.zeros(K, D, device=device))
@@ -61,6 +64,9 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
         blk = dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d, num_warps=warps, num_stages=stages, DOT_DTYPE=dot)
         if name == "forward":
             return lambda: sea._forward_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
+                logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False, **blk)
+        if name == "forward_two_pass":  # its heuristics set EVEN_K from K and BLOCK_K
+            return lambda: sea._forward_two_pass_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
                 logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False, **blk)
         if name == "grad_logits":  # the split variant's kernel: no P output (its pointer is never read)
             return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](

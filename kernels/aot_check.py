@@ -43,7 +43,9 @@ def check(quick: bool) -> list[str]:
 
     if _launch.interpreted:
         raise SystemExit("aot_check: unset TRITON_INTERPRET (the kernels were decorated for the interpreter)")
+    # EVEN_K (set by the kernel's heuristics at a launch): K = 1024 fills every K tile of every config
     kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)),
+               "forward_two_pass": (sea._forward_two_pass_kernel.fn, dict(GUIDED=True, EVEN_K=True)),
                "grad_logits": (sea._grad_logits_kernel, dict(STORE_P=True, FUSED_DELTA=False, HAS_GRAD_LSE=False)),
                "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True)),
                "fused_backward": (sea._fused_backward_kernel, dict(ATOMIC=True))}

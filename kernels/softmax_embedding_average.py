@@ -52,6 +52,18 @@ N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32. So the default
 for 16-bit operands. For float32 it is "split": cuBLAS would run Pᵀ·dY as a full-precision SGEMM
 (PyTorch leaves TF32 off), where the split kernel uses tf32x3.
 
+The "two-pass" forward (VQLCMD_TRITON_FORWARD=two-pass) answers what the H100 numbers say of the
+one-pass one, which runs its products at ~245 TFLOP/s: its loop is bound by instruction issue, not
+by the tensor cores or memory. Compiled for sm_90 (Triton 3.8, the (64, 32, 256) tile with 4 warps
+that the autotuner picked on the H100), the one-pass loop is 450 instructions per thread and K tile,
+128 of them the rescale of the (64, 256) float32 accumulator by exp(m_old − m_new), and because the
+accumulator is read between products, each product is waited for (WARPGROUP.DEPBAR 0) before the
+next tile's softmax. The two-pass kernel first sweeps the program's logits for each row's max (~30
+instructions per tile: packed bf16 max), then streams them again with P = exp2(s·log2e − m·log2e):
+243 instructions per tile with no rescale, the product left in flight (DEPBAR 1) while the next
+tile's exponentials run. The logits are read twice, the second time from L2 (the first sweep's loads
+are hinted evict_last). Not the default yet: no GPU has timed it (benchmarks: ``triton-two-pass``).
+
 In the split and mm backwards the dlogits kernel can also sum delta itself (VQLCMD_TRITON_DELTA=fused,
 ``delta_variant``) from the dY tiles of its product loop and the matching Y tiles, which saves the
 delta kernel (14 µs of the mm backward's 241 on the H100) for more reads of Y from L2. It is not
@@ -77,13 +89,16 @@ from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fused_f
 
 
 @triton.jit
-def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.constexpr):
-    """The float32 scores of a (rows, BLOCK_K) tile, -inf past K."""
-    s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
+def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.constexpr,
+                EVICT: tl.constexpr = ""):
+    """The float32 scores of a (rows, BLOCK_K) tile, -inf past K; EVICT: the loads' L2 eviction policy."""
+    s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0,
+                eviction_policy=EVICT).to(tl.float32)
     if GUIDED:
         # (1+ω) log P(·|y) − ω log P(·|∅) differs from (1+ω) c − ω u by a per-row constant,
         # which the renormalising softmax removes (VQ-LCMD.md, classifier-free guidance).
-        u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
+        u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0,
+                    eviction_policy=EVICT)
         s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
     return tl.where(k_in[None, :], s, float("-inf"))
 
@@ -124,6 +139,54 @@ def _forward_kernel(
                     other=0.0)
         acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc * alpha[:, None], input_precision="tf32x3")
         m_i = m_new
+    out = acc / l_i[:, None]
+    row_in = rows < N
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & (cols < D)[None, :])
+    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=row_in & (pid_d == 0))
+
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
+
+
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _forward_two_pass_kernel(
+    logits_ptr, uncond_ptr, table_ptr, out_ptr, lse_ptr,
+    N, K, D, guidance,
+    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # The one-pass kernel rescales its (BLOCK_M, BLOCK_D) accumulator by exp(m_old − m_new) after
+    # every K tile; that read of the accumulator makes the compiler wait for each product before the
+    # next tile's softmax (sm_90 SASS: WARPGROUP.DEPBAR gsb0 0x0), and the rescale is a third of the
+    # loop's instructions. With each row's max known first, P = exp2(s·log2e − m·log2e) needs no
+    # rescale, and the products stay in flight while the next tile's exponentials run. The price is
+    # a second read of the program's logits, which it has just read (L2, hinted evict_last).
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows past N re-read row N-1 and are never stored: no fully masked (-inf) softmax rows.
+    row_off = tl.minimum(rows, N - 1).to(tl.int64) * K
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = (ks < K) | EVEN_K
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "evict_last")
+        m_i = tl.maximum(m_i, tl.max(s, 1))
+    # A row of -inf logits (all classes masked) gets exp2(-inf) = 0 everywhere, as in the one-pass kernel.
+    m2 = tl.where(m_i == float("-inf"), 0.0, m_i * LOG2E)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = (ks < K) | EVEN_K
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "evict_first")
+        p = tl.exp2(s * LOG2E - m2[:, None])
+        l_i += tl.sum(p, 1)
+        t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & (cols < D)[None, :],
+                    other=0.0)
+        acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc, input_precision="tf32x3")
     out = acc / l_i[:, None]
     row_in = rows < N
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & (cols < D)[None, :])
@@ -329,13 +392,14 @@ def _chunk_probs_kernel(
 
 _TUNED = {
     "forward": Tuned(_forward_kernel, "forward", variants=("GUIDED",)),
+    "forward_two_pass": Tuned(_forward_two_pass_kernel, "forward_two_pass", variants=("GUIDED",)),
     "grad_logits": Tuned(_grad_logits_kernel, "grad_logits",
                          variants=("STORE_P", "FUSED_DELTA", "HAS_GRAD_LSE")),
     "grad_table": Tuned(_grad_table_kernel, "grad_table", variants=("ATOMIC",), reset_to_zero=["dst_ptr"]),
     "fused_backward": Tuned(_fused_backward_kernel, "fused_backward", variants=("ATOMIC",),
                             reset_to_zero=["dst_ptr"]),
 }
-_KERNELS = {"forward": _forward_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel,
+_KERNELS = {"forward": _forward_kernel, "forward_two_pass": _forward_two_pass_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel,
             "fused_backward": _fused_backward_kernel, "chunk": _chunk_kernel, "chunk_probs": _chunk_probs_kernel}
 
 
@@ -349,7 +413,7 @@ def _launch(name: str, grid, N: int, K: int, D: int, args: tuple, dot, **const) 
 
 
 FORWARD_ENV = "VQLCMD_TRITON_FORWARD"
-FORWARD_VARIANTS = ("fused", "chunked")
+FORWARD_VARIANTS = ("fused", "two-pass", "chunked")
 
 
 def _choice(variant: Optional[str], env: str, choices: tuple, default: str) -> str:
@@ -362,7 +426,11 @@ def _choice(variant: Optional[str], env: str, choices: tuple, default: str) -> s
 
 
 def forward_variant(variant: Optional[str] = None) -> str:
-    """``variant``, else $VQLCMD_TRITON_FORWARD, else "fused"."""
+    """``variant``, else $VQLCMD_TRITON_FORWARD, else "fused" (the one-pass kernel).
+
+    "two-pass" finds each row's max in a first sweep over its logits, so that the second needs no
+    online rescaling (``_forward_two_pass_kernel``). It is not the default yet: no GPU has timed it.
+    """
     return _choice(variant, FORWARD_ENV, FORWARD_VARIANTS, "fused")
 
 
@@ -371,7 +439,8 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
     """logits (N, K), table (K, D) [, uncond (N, K), ω] -> out (N, D) in the promoted dtype, lse (N,) float32.
 
     ``variant`` (default $VQLCMD_TRITON_FORWARD, else "fused"): the one-pass FlashAttention-style
-    kernel, or "chunked": the softmax of a chunk of rows in Triton and P_c·table through cuBLAS.
+    kernel, "two-pass": a sweep for each row's max, then the same product without online rescaling,
+    or "chunked": the softmax of a chunk of rows in Triton and P_c·table through cuBLAS.
     """
     N, K = logits.shape
     D = table.shape[1]
@@ -390,7 +459,8 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
     if variant == "chunked":
         _chunked_forward(logits, uncond, table, float(guidance), guided, out, lse, dot)
     else:
-        _launch("forward", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"])),
+        _launch("forward" if variant == "fused" else "forward_two_pass",
+                lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"])),
                 N, K, D, (logits, uncond, table, out, lse, N, K, D, float(guidance)), dot, GUIDED=guided)
     return out, lse
 

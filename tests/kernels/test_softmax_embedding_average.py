@@ -129,6 +129,47 @@ def test_chunked_forward_matches_reference(lead, K, D, dtype, device, sea, launc
         assert launched == ["chunk_probs"] * chunks + ["chunk"] * chunks + ["chunk_probs"] * chunks
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead,K,D", SHAPES)
+def test_two_pass_forward_matches_reference(lead, K, D, dtype, device, sea, launched, monkeypatch):
+    # each row's max first, then P·table without online rescaling, and the log-sum-exp it saves;
+    # K = 1024 fills every K tile (the kernel's EVEN_K path, no masks), K = 1000 ends on a ragged one
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "two-pass")
+    logits, table = assert_matches_reference(lead, K, D, dtype, device)
+    _, lse = sea.forward(logits.reshape(-1, K), table)
+    torch.testing.assert_close(lse, logits.reshape(-1, K).float().logsumexp(-1), rtol=1e-5, atol=1e-5)
+    if not torch.cuda.is_available():
+        N = logits[..., 0].numel()
+        assert launched == ["forward_two_pass", *backward_kernels(sea, "split", N, D, None), "forward_two_pass"]
+
+
+@pytest.mark.parametrize("forward", ["fused", "two-pass"])
+def test_extreme_logits_stay_finite(forward, device, sea, monkeypatch):
+    # logits of ±1e4, a row's max in its last K tile far above the first tiles' (what the one-pass
+    # kernel rescales for and the two-pass one must find in its first sweep), rows of equal logits
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", forward)
+    logits, table = make((6,), 1000, 24, torch.float32, device)
+    logits[0, -1] = 1e4
+    logits[1, 0] = 1e4
+    logits[2] = -1e4
+    logits[3, ::2] = 1e4
+    logits[3, 1::2] = -1e4
+    logits[4, 500] = 40.0  # one class beyond the others' exp range in float32 (e^-40 relative)
+    upstream = torch.randn(6, 24).to(device)
+    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
+    assert torch.isfinite(out).all() and torch.isfinite(g_logits).all()
+    assert_close(out, ref, torch.float32)
+    # The backward recomputes P = exp(s − lse) from the float32 lse, as FlashAttention does: at |lse| ~
+    # 1e4 its rounding (half an ulp, 4.9e-4) is a relative error of P that subtracting the row max avoids.
+    lse_ulp = torch.finfo(torch.float32).eps * logits.abs().amax(-1, keepdim=True)
+    bound = r_logits.abs() * lse_ulp + 1e-5 * r_logits.abs().max()
+    assert ((g_logits - r_logits).abs() <= bound).all()
+    assert_close(g_table, r_table, torch.float32)
+    _, lse = sea.forward(logits, table)
+    torch.testing.assert_close(lse, logits.logsumexp(-1))
+
+
 # (need_logits, need_table): a single gradient takes its own split kernel whatever the variant
 NEEDS = [(True, True), (True, False), (False, True)]
 
@@ -289,7 +330,7 @@ def test_only_logits_need_gradient(device):
     assert_close(logits.grad, expected.grad, torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["fused", "chunked"])
+@pytest.mark.parametrize("variant", ["fused", "two-pass", "chunked"])
 def test_masked_classes_are_ignored(variant, device, monkeypatch):
     # -inf logits (masked classes), including a whole first K tile, give no NaN
     monkeypatch.setenv("VQLCMD_TRITON_FORWARD", variant)
@@ -348,7 +389,7 @@ def test_empty_batch_and_non_contiguous_inputs(device):
 
 # ---- guided variant ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("forward", ["fused", "chunked"])
+@pytest.mark.parametrize("forward", ["fused", "two-pass", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D,scale", [((2, 8), 1024, 256, 1.0), ((257,), 1000, 48, 3.5)])
 def test_guided_matches_reference(lead, K, D, scale, dtype, forward, device, monkeypatch):
@@ -421,6 +462,20 @@ def test_gpu_goal_shape(dtype, variant, deterministic, monkeypatch):
     assert_close(out, ref, dtype)
     assert_close(g_logits, r_logits, dtype)
     assert_close(g_table, r_table, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_two_pass_forward_goal_shape(dtype, sea, monkeypatch):
+    # the autotuned two-pass forward (N = 32768), its log-sum-exp, and its guided variant
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "two-pass")
+    logits, table = make((32768,), 1024, 256, dtype, "cuda")
+    out, lse = sea.forward(logits, table)
+    assert_close(out, reference.softmax_embedding_average(logits, table), dtype)
+    torch.testing.assert_close(lse, logits.float().logsumexp(-1), rtol=1e-5, atol=1e-5)
+    uncond, _ = make((32768,), 1024, 256, dtype, "cuda", seed=3)
+    guided = ops.guided_embedding_average(logits, uncond, table, 1.0, backend="triton")
+    assert_close(guided, reference.guided_embedding_average(logits, uncond, table, 1.0), dtype)
 
 
 def delta_rounding_bound(logits, table, upstream, dtype):
