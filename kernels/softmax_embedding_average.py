@@ -89,9 +89,9 @@ from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fused_f
 
 
 @triton.jit
-def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.constexpr,
-                EVICT: tl.constexpr = ""):
-    """The float32 scores of a (rows, BLOCK_K) tile, -inf past K; EVICT: the loads' L2 eviction policy."""
+def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.constexpr, EVICT: tl.constexpr):
+    """The float32 scores of a (rows, BLOCK_K) tile, -inf past K; EVICT: the loads' L2 eviction policy
+    ("" for the default; passed every time: Triton 3.6 does not make a default argument a constexpr)."""
     s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0,
                 eviction_policy=EVICT).to(tl.float32)
     if GUIDED:
@@ -133,7 +133,7 @@ def _forward_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks < K
-        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED)
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "")
         m_new, alpha, p, l_i = _online_softmax_step(m_i, l_i, s)
         t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & (cols < D)[None, :],
                     other=0.0)
@@ -378,14 +378,14 @@ def _chunk_probs_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, ks < K, guidance, GUIDED)
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, ks < K, guidance, GUIDED, "")
         m_i, _, _, l_i = _online_softmax_step(m_i, l_i, s)
     lse = m_i + tl.log(l_i)
     tl.store(lse_ptr + rows, lse, mask=row_in)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks < K
-        p = tl.exp(_score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED) - lse[:, None])
+        p = tl.exp(_score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "") - lse[:, None])
         tl.store(p_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], p.to(DOT_DTYPE),
                  mask=row_in[:, None] & k_in[None, :])
 
