@@ -46,7 +46,8 @@ def check(quick: bool) -> list[str]:
     # EVEN_K (set by the kernel's heuristics at a launch): K = 1024 fills every K tile of every config
     kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)),
                "forward_two_pass": (sea._forward_two_pass_kernel.fn, dict(GUIDED=True, EVEN_K=True)),
-               "grad_logits": (sea._grad_logits_kernel, dict(STORE_P=True, FUSED_DELTA=False, HAS_GRAD_LSE=False)),
+               "grad_logits": (sea._grad_logits_kernel.fn, dict(STORE_P=True, FUSED_DELTA=False, HAS_GRAD_LSE=False,
+                                                                EVEN_K=True, EVEN_D=True)),
                "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True)),
                "fused_backward": (sea._fused_backward_kernel, dict(ATOMIC=True))}
     # (name, operand width, constexprs, warps, stages, kind)
@@ -56,7 +57,8 @@ def check(quick: bool) -> list[str]:
         jobs += [(name, width, dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), warps, stages, "tuned")
                  for (name, width), cfgs in _launch._CONFIGS.items() for (m, k, d, warps, stages) in cfgs]
     # the dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused), in every grad_logits tile
-    kernels["grad_logits+delta"] = (sea._grad_logits_kernel, dict(STORE_P=True, FUSED_DELTA=True, HAS_GRAD_LSE=True))
+    kernels["grad_logits+delta"] = (sea._grad_logits_kernel.fn, dict(STORE_P=True, FUSED_DELTA=True, HAS_GRAD_LSE=True,
+                                                                      EVEN_K=True, EVEN_D=True))
     # (16-bit operands only: float32 keeps the delta kernel, whose dlogits tiles do not spill)
     jobs += [("grad_logits+delta", *job[1:]) for job in jobs if job[0] == "grad_logits" and job[1] == 16]
     # the chunked variants' elementwise kernels: their fixed tiles at the goal shape (K = 1024)
