@@ -44,7 +44,7 @@ def check(quick: bool) -> list[str]:
     if _launch.interpreted:
         raise SystemExit("aot_check: unset TRITON_INTERPRET (the kernels were decorated for the interpreter)")
     # EVEN_K (set by the kernel's heuristics at a launch): K = 1024 fills every K tile of every config
-    kernels = {"forward": (sea._forward_kernel, dict(GUIDED=True)),
+    kernels = {"forward": (sea._forward_kernel.fn, dict(GUIDED=True, EVEN_K=True, EVEN_D=True)),
                "forward_two_pass": (sea._forward_two_pass_kernel.fn, dict(GUIDED=True, EVEN_K=True)),
                "grad_logits": (sea._grad_logits_kernel.fn, dict(STORE_P=True, FUSED_DELTA=False, HAS_GRAD_LSE=False,
                                                                 EVEN_K=True, EVEN_D=True)),

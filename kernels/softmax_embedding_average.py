@@ -54,15 +54,17 @@ for 16-bit operands. For float32 it is "split": cuBLAS would run Pᵀ·dY as a f
 
 The "two-pass" forward (VQLCMD_TRITON_FORWARD=two-pass) answers what the H100 numbers say of the
 one-pass one, which runs its products at ~245 TFLOP/s: its loop is bound by instruction issue, not
-by the tensor cores or memory. Compiled for sm_90 (Triton 3.8, the (64, 32, 256) tile with 4 warps
-that the autotuner picked on the H100), the one-pass loop is 450 instructions per thread and K tile,
-128 of them the rescale of the (64, 256) float32 accumulator by exp(m_old − m_new), and because the
-accumulator is read between products, each product is waited for (WARPGROUP.DEPBAR 0) before the
-next tile's softmax. The two-pass kernel first sweeps the program's logits for each row's max (~30
-instructions per tile: packed bf16 max), then streams them again with P = exp2(s·log2e − m·log2e):
-243 instructions per tile with no rescale, the product left in flight (DEPBAR 1) while the next
-tile's exponentials run. The logits are read twice, the second time from L2 (the first sweep's loads
-are hinted evict_last). Not the default yet: no GPU has timed it (benchmarks: ``triton-two-pass``).
+by the tensor cores or memory. Compiled for sm_90 (the (64, 32, 256) tile with 4 warps that the
+autotuner picked on the H100; Triton 3.6 and 3.8 agree within a few instructions), the one-pass
+loop as timed was 450 instructions per thread and K tile, 128 of them the rescale of the (64, 256)
+float32 accumulator by exp(m_old − m_new); exp2 of one FMA and unmasked tiles (EVEN_K) bring it
+to 350, but the rescale stays, and because it reads the accumulator between products, each
+product is waited for (WARPGROUP.DEPBAR 0) before the next tile's softmax. The two-pass kernel
+first sweeps the program's logits for each row's max (~30 instructions per tile: packed bf16
+max), then streams them again with P = exp2(s·log2e − m·log2e): 236-243 instructions per tile
+with no rescale, the product left in flight (DEPBAR 1) while the next tile's exponentials run.
+The logits are read twice, the second time from L2 (the first sweep's loads are hinted
+evict_last). Not the default yet: no GPU has timed it (benchmarks: ``triton-two-pass``).
 
 In the split and mm backwards the dlogits kernel can also sum delta itself (VQLCMD_TRITON_DELTA=fused,
 ``delta_variant``) from the dY tiles of its product loop and the matching Y tiles, which saves the
@@ -88,6 +90,9 @@ from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fused_f
                       mm_rows, splits)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
+
+
 @triton.jit
 def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.constexpr, EVICT: tl.constexpr):
     """The float32 scores of a (rows, BLOCK_K) tile, -inf past K; EVICT: the loads' L2 eviction policy
@@ -109,43 +114,43 @@ def _online_softmax_step(m_i, l_i, s):
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A tile of -inf logits (masked classes) leaves m_new = -inf; shifting by 0 keeps exp() NaN-free.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_use)
-    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp2((m_i - m_use) * LOG2E)
+    p = tl.exp2(s * LOG2E - (m_use * LOG2E)[:, None])  # one FMA per element (see _grad_logits_kernel)
     return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+                    "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0})
 @triton.jit
 def _forward_kernel(
     logits_ptr, uncond_ptr, table_ptr, out_ptr, lse_ptr,
     N, K, D, guidance,
-    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # EVEN_K / EVEN_D (set from K, D and the tile): no masks along a dimension the tiles divide.
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     # Rows past N re-read row N-1 and are never stored: no fully masked (-inf) softmax rows.
     row_off = tl.minimum(rows, N - 1).to(tl.int64) * K
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_in = (cols < D) | EVEN_D
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_in = ks < K
+        k_in = (ks < K) | EVEN_K
         s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "")
         m_new, alpha, p, l_i = _online_softmax_step(m_i, l_i, s)
-        t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & (cols < D)[None, :],
-                    other=0.0)
+        t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
         acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc * alpha[:, None], input_precision="tf32x3")
         m_i = m_new
     out = acc / l_i[:, None]
     row_in = rows < N
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & (cols < D)[None, :])
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & d_in[None, :])
     tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=row_in & (pid_d == 0))
-
-
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
