@@ -7,6 +7,13 @@ Machines without a GPU can still run Triton's whole compiler (the wheel bundles 
 GPU path is checked where the interpreter cannot check it. Pointers and K, D are marked 16-aligned,
 as the JIT marks them for K = 1024, D = 256; without that the compiler does not pipeline the loads
 and the shared-memory figures would be too small. Must run with TRITON_INTERPRET unset.
+
+Triton versions differ in what they accept (3.6, on the lent H100s, does not make a jit function's
+default argument a constexpr; 3.8 does). To check against another version without installing it:
+
+    pip download --no-deps triton==3.6.0 -d /tmp/w && python -m zipfile -e /tmp/w/triton-*.whl /tmp/t36
+    chmod +x /tmp/t36/triton/backends/nvidia/bin/*
+    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=/tmp/t36-cache python -m vqlcmd.kernels.aot_check
 """
 from __future__ import annotations
 
