@@ -11,10 +11,11 @@ each timed for ``fwd+bwd`` only, the one case it changes; ``triton-chunked`` set
 ``VQLCMD_TRITON_FORWARD`` and ``VQLCMD_TRITON_BACKWARD`` to ``chunked`` (the softmax parts in
 Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` sets the chunk);
 ``triton-delta`` is the default with ``VQLCMD_TRITON_DELTA=fused`` (the dlogits kernel sums
-delta = rowsum(dY ∘ Y) itself, no delta kernel), timed for ``fwd+bwd`` only; ``triton-two-pass`` is
-the default with ``VQLCMD_TRITON_FORWARD=two-pass`` (a sweep for each row's max, then the product
-with no online rescaling), timed in every case. So one GPU run says which variant is faster; the
-two forward and the two delta choices are separate kernels, so their savings add.
+delta = rowsum(dY ∘ Y) itself, no delta kernel), timed for ``fwd+bwd`` only; ``triton-first-tile``
+and ``triton-two-pass`` are the default with ``VQLCMD_TRITON_FORWARD=first-tile`` / ``two-pass`` (the
+product against a fixed per-row max, with no online rescaling: the first K tile's max, or each row's
+own from a first sweep), timed in every case. So one GPU run says which variant is faster; the
+forward and the delta choices are separate kernels, so their savings add.
 Cases: ``fwd`` (no grad), ``fwd+bwd`` (both inputs, non-unit upstream gradient) and ``guided``
 (the samplers' classifier-free-guided variant, ω = 1). The goal case of issue 5 is
 N = 32768 (B 128 × M 256), K = 1024, D = 256 in bf16 on a GPU: fwd+bwd ≥ 1.5× eager, and at
@@ -43,6 +44,7 @@ VARIANTS = {
     "triton-chunked": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "chunked", "VQLCMD_TRITON_BACKWARD": "chunked"},
     "triton-split": {**_DEFAULTS, "VQLCMD_TRITON_BACKWARD": "split"},
     "triton-delta": {**_DEFAULTS, "VQLCMD_TRITON_DELTA": "fused"},
+    "triton-first-tile": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "first-tile"},
     "triton-two-pass": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "two-pass"},
 }
 # the variants that change only the backward: their forward and guided rows would repeat triton's

@@ -25,7 +25,8 @@ if str(ROOT) not in sys.path:
 EXTRA = {
     "forward": [(128, 64, 256, 8, 2), (128, 128, 256, 8, 2), (64, 64, 256, 4, 4), (128, 64, 256, 4, 3),
                 (64, 32, 256, 4, 4), (128, 32, 256, 4, 4)],
-    # VQLCMD_TRITON_FORWARD=two-pass: no rescaling between products, so longer K tiles may pay
+    # VQLCMD_TRITON_FORWARD=first-tile / two-pass: no rescaling between products, so longer K tiles may pay
+    "forward_first_tile": [(64, 128, 256, 4, 2), (128, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 64, 256, 4, 2)],
     "forward_two_pass": [(64, 128, 256, 4, 2), (128, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 64, 256, 4, 2)],
     "grad_logits": [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3),
                     (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
@@ -35,7 +36,8 @@ EXTRA = {
                    (128, 128, 128, 8, 4), (32, 128, 256, 8, 4)],
 }
 # a sweep whose kernel the autotuner tunes under another name (its configurations and its pick)
-TUNED_AS = {"grad_logits+delta": "grad_logits"}
+TUNED_AS = {"grad_logits+delta": "grad_logits", "forward_first_tile": "forward_fixed_max",
+            "forward_two_pass": "forward_fixed_max"}
 
 
 def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dtype):
@@ -53,6 +55,7 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
     table = torch.randn(K, D, device=device, generator=g).to(dtype)
     dy = torch.randn(N, D, device=device, generator=g).to(dtype)
     out, lse = sea.forward(logits, table)  # the public launchers autotune, so their picks can be printed
+    sea.forward(logits, table, variant="first-tile")
     sea.forward(logits, table, variant="two-pass")
     sea.backward(dy, out, lse, logits, table)
     t = dict(logits=logits, table=table, dy=dy, out=out, lse=lse, grad_logits=torch.empty_like(logits),
@@ -65,9 +68,10 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
         if name == "forward":
             return lambda: sea._forward_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
                 logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False, **blk)
-        if name == "forward_two_pass":  # its heuristics set EVEN_K from K and BLOCK_K
-            return lambda: sea._forward_two_pass_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
-                logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False, **blk)
+        if name in ("forward_first_tile", "forward_two_pass"):  # its heuristics set EVEN_K and EVEN_D
+            return lambda: sea._forward_fixed_max_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
+                logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False,
+                MAX_FIRST=name == "forward_two_pass", MAX_GAP=sea.max_gap(dot), **blk)
         if name == "grad_logits":  # the split variant's kernel: no P output (its pointer is never read)
             return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
                 logits, table, dy, out, lse, t["lse"], t["delta"], t["grad_logits"], logits, N, K, D,

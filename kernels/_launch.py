@@ -79,12 +79,13 @@ _CONFIGS = {
     ("forward", 32): [
         (64, 32, 256, 8, 2), (64, 32, 128, 4, 2), (32, 32, 256, 8, 2), (64, 16, 256, 8, 3), (128, 32, 128, 8, 2),
     ],
-    # the two-pass forward: no rescaling between its products, so longer K tiles cost no more per class
-    ("forward_two_pass", 16): [
-        (64, 32, 256, 4, 4), (64, 64, 256, 4, 3), (64, 64, 256, 8, 3), (128, 64, 256, 8, 3),
-        (128, 32, 256, 8, 4), (64, 128, 256, 8, 2), (64, 32, 256, 4, 3), (128, 64, 128, 8, 3),
+    # the fixed-max forward (two-pass, first-tile): no rescaling between its products, so longer K tiles
+    # cost no more per class; (64, 64, 256, 4, 3) and (128, 64, 256, 8, 3) spilled in first-tile's guided kernel
+    ("forward_fixed_max", 16): [
+        (64, 32, 256, 4, 4), (64, 32, 256, 4, 3), (64, 64, 256, 8, 3), (128, 64, 256, 8, 2),
+        (128, 32, 256, 8, 4), (64, 128, 256, 8, 2), (128, 64, 128, 8, 3),
     ],
-    ("forward_two_pass", 32): [
+    ("forward_fixed_max", 32): [
         (64, 32, 256, 8, 2), (64, 32, 128, 4, 2), (32, 32, 256, 8, 2), (64, 16, 256, 8, 3), (128, 32, 128, 8, 2),
     ],
     # (BLOCK_M, BLOCK_K) output tile of dlogits, D streamed in BLOCK_D steps
@@ -117,7 +118,7 @@ _CONFIGS = {
 # fixed tiles for small problems on a GPU (no autotuning), by operand width
 _SMALL_BLOCKS = {
     ("forward", 16): (64, 64, 256, 8, 3), ("forward", 32): (64, 32, 256, 8, 2),
-    ("forward_two_pass", 16): (64, 64, 256, 4, 3), ("forward_two_pass", 32): (64, 32, 256, 8, 2),
+    ("forward_fixed_max", 16): (64, 32, 256, 4, 3), ("forward_fixed_max", 32): (64, 32, 256, 8, 2),
     ("grad_logits", 16): (64, 64, 64, 4, 3), ("grad_logits", 32): (64, 64, 64, 4, 3),
     ("grad_table", 16): (64, 64, 128, 4, 3), ("grad_table", 32): (64, 64, 128, 4, 3),
     ("fused_backward", 16): (64, 64, 256, 8, 2),

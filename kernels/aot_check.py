@@ -52,7 +52,8 @@ def check(quick: bool) -> list[str]:
         raise SystemExit("aot_check: unset TRITON_INTERPRET (the kernels were decorated for the interpreter)")
     # EVEN_K (set by the kernel's heuristics at a launch): K = 1024 fills every K tile of every config
     kernels = {"forward": (sea._forward_kernel.fn, dict(GUIDED=True, EVEN_K=True, EVEN_D=True)),
-               "forward_two_pass": (sea._forward_two_pass_kernel.fn, dict(GUIDED=True, EVEN_K=True)),
+               "forward_fixed_max": (sea._forward_fixed_max_kernel.fn, dict(GUIDED=True, MAX_FIRST=False, MAX_GAP=40.0,
+                                                                           EVEN_K=True, EVEN_D=True)),
                "grad_logits": (sea._grad_logits_kernel.fn, dict(STORE_P=True, FUSED_DELTA=False, HAS_GRAD_LSE=False,
                                                                 EVEN_K=True, EVEN_D=True)),
                "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True)),
@@ -63,6 +64,10 @@ def check(quick: bool) -> list[str]:
     if not quick:
         jobs += [(name, width, dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), warps, stages, "tuned")
                  for (name, width), cfgs in _launch._CONFIGS.items() for (m, k, d, warps, stages) in cfgs]
+    # the fixed-max forward's other variant ("two-pass": a max sweep first), in every tile of its own
+    kernels["forward_fixed_max+max_first"] = (sea._forward_fixed_max_kernel.fn,
+                                              dict(GUIDED=True, MAX_FIRST=True, MAX_GAP=40.0, EVEN_K=True, EVEN_D=True))
+    jobs += [("forward_fixed_max+max_first", *job[1:]) for job in jobs if job[0] == "forward_fixed_max"]
     # the dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused), in every grad_logits tile
     kernels["grad_logits+delta"] = (sea._grad_logits_kernel.fn, dict(STORE_P=True, FUSED_DELTA=True, HAS_GRAD_LSE=True,
                                                                       EVEN_K=True, EVEN_D=True))

@@ -52,19 +52,24 @@ N = 8192, and 19.6 against 28.5 µs at N = 4096, K = 128, D = 32. So the default
 for 16-bit operands. For float32 it is "split": cuBLAS would run Pᵀ·dY as a full-precision SGEMM
 (PyTorch leaves TF32 off), where the split kernel uses tf32x3.
 
-The "two-pass" forward (VQLCMD_TRITON_FORWARD=two-pass) answers what the H100 numbers say of the
-one-pass one, which runs its products at ~245 TFLOP/s: its loop is bound by instruction issue, not
-by the tensor cores or memory. Compiled for sm_90 (the (64, 32, 256) tile with 4 warps that the
-autotuner picked on the H100; Triton 3.6 and 3.8 agree within a few instructions), the one-pass
-loop as timed was 450 instructions per thread and K tile, 128 of them the rescale of the (64, 256)
-float32 accumulator by exp(m_old − m_new); exp2 of one FMA and unmasked tiles (EVEN_K) bring it
-to 350, but the rescale stays, and because it reads the accumulator between products, each
-product is waited for (WARPGROUP.DEPBAR 0) before the next tile's softmax. The two-pass kernel
-first sweeps the program's logits for each row's max (~30 instructions per tile: packed bf16
-max), then streams them again with P = exp2(s·log2e − m·log2e): 236-243 instructions per tile
-with no rescale, the product left in flight (DEPBAR 1) while the next tile's exponentials run.
-The logits are read twice, the second time from L2 (the first sweep's loads are hinted
-evict_last). Not the default yet: no GPU has timed it (benchmarks: ``triton-two-pass``).
+The "fixed-max" forwards (VQLCMD_TRITON_FORWARD=first-tile or two-pass) answer what the H100
+numbers say of the one-pass one, which runs its products at ~245 TFLOP/s: its loop is bound by
+instruction issue, not by the tensor cores or memory. Compiled for sm_90 (the (64, 32, 256) tile
+with 4 warps that the autotuner picked on the H100; Triton 3.6 and 3.8 agree within a few
+instructions), the one-pass loop as timed was 450 instructions per thread and K tile, 128 of them
+the rescale of the (64, 256) float32 accumulator by exp(m_old − m_new); exp2 of one FMA and
+unmasked tiles (EVEN_K) bring it to 350, but the rescale stays, and because it reads the
+accumulator between products, each product is waited for (WARPGROUP.DEPBAR 0) before the next
+tile's softmax. The softmax needs no running max, only a per-row reference m with every s − m
+below ``max_gap`` (exp stays finite; l and P·table scale alike), so ``_forward_fixed_max_kernel``
+computes P = exp2(s·log2e − m·log2e) against a fixed m: no rescale, and each product stays in
+flight (DEPBAR 1) while the next tile's exponentials run. "first-tile" takes m from the first K
+tile and tracks the true max as it sweeps (258-270 instructions per tile), sweeping again from the
+true maxima only in a row block where some row's logits spread beyond max_gap (40; 10 for fp16
+operands), which trained logits rarely do beyond their first 32-128 classes. "two-pass" sweeps for
+the maxima first (~30 instructions per tile: packed bf16 max) and then the product (233-241), so it
+reads the logits twice, the second time from L2 (hinted evict_last). Neither is the default yet:
+no GPU has timed them (benchmarks: ``triton-first-tile``, ``triton-two-pass``).
 
 In the split and mm backwards the dlogits kernel can also sum delta itself (VQLCMD_TRITON_DELTA=fused,
 ``delta_variant``) from the dY tiles of its product loop and the matching Y tiles, which saves the
@@ -153,49 +158,93 @@ def _forward_kernel(
     tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=row_in & (pid_d == 0))
 
 
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
-def _forward_two_pass_kernel(
+def _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance, m_ref, m_seen,
+                     GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, TRACK: tl.constexpr,
+                     EVICT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One sweep over K with a fixed per-row reference m_ref in place of the running max:
+    P = exp2(s·log2e − m_ref·log2e), so the accumulator only feeds the products and is never
+    rescaled. Returns (the row maxima seen, updated when TRACK, the sum of P, P·table)."""
+    m2 = m_ref * LOG2E
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = (ks < K) | EVEN_K
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, EVICT)
+        if TRACK:
+            m_seen = tl.maximum(m_seen, tl.max(s, 1))
+        p = tl.exp2(s * LOG2E - m2[:, None])
+        l_i += tl.sum(p, 1)
+        t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
+        acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc, input_precision="tf32x3")
+    return m_seen, l_i, acc
+
+
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+                    "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0})
+@triton.jit
+def _forward_fixed_max_kernel(
     logits_ptr, uncond_ptr, table_ptr, out_ptr, lse_ptr,
     N, K, D, guidance,
-    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
+    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, MAX_FIRST: tl.constexpr, MAX_GAP: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # The one-pass kernel rescales its (BLOCK_M, BLOCK_D) accumulator by exp(m_old − m_new) after
     # every K tile; that read of the accumulator makes the compiler wait for each product before the
     # next tile's softmax (sm_90 SASS: WARPGROUP.DEPBAR gsb0 0x0), and the rescale is a third of the
-    # loop's instructions. With each row's max known first, P = exp2(s·log2e − m·log2e) needs no
-    # rescale, and the products stay in flight while the next tile's exponentials run. The price is
-    # a second read of the program's logits, which it has just read (L2, hinted evict_last).
+    # loop's instructions. Any per-row reference m with every s − m below MAX_GAP gives the same
+    # softmax without rescaling (exp(s − m) stays finite, and l, P·table are scaled alike), and the
+    # products stay in flight while the next tile's exponentials run. Where m comes from:
+    # MAX_FIRST ("two-pass"): a first sweep finds each row's max, at the price of reading the
+    # program's logits twice (the second time from L2: the first sweep's loads are hinted evict_last).
+    # Else ("first-tile"): the first K tile's max, and the sweep tracks the true max as it goes; only
+    # if some row's max passes its reference by MAX_GAP (trained logits rarely spread that far beyond
+    # their first 32-128 classes) does the program sweep again from the true maxima.
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     # Rows past N re-read row N-1 and are never stored: no fully masked (-inf) softmax rows.
     row_off = tl.minimum(rows, N - 1).to(tl.int64) * K
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    d_in = (cols < D) | EVEN_D
+    m_seen = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if MAX_FIRST:
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_in = (ks < K) | EVEN_K
+            s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "evict_last")
+            m_seen = tl.maximum(m_seen, tl.max(s, 1))
+        # a row of -inf logits (all classes masked) gets exp2(-inf) = 0 everywhere, as in the one-pass kernel
+        m_ref = tl.where(m_seen == float("-inf"), 0.0, m_seen)
+        m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance,
+                                            m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False, "evict_first",
+                                            BLOCK_M, BLOCK_K, BLOCK_D)
+    else:
+        ks = tl.arange(0, BLOCK_K)
         k_in = (ks < K) | EVEN_K
-        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "evict_last")
-        m_i = tl.maximum(m_i, tl.max(s, 1))
-    # A row of -inf logits (all classes masked) gets exp2(-inf) = 0 everywhere, as in the one-pass kernel.
-    m2 = tl.where(m_i == float("-inf"), 0.0, m_i * LOG2E)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_in = (ks < K) | EVEN_K
-        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "evict_first")
-        p = tl.exp2(s * LOG2E - m2[:, None])
-        l_i += tl.sum(p, 1)
-        t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & (cols < D)[None, :],
-                    other=0.0)
-        acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc, input_precision="tf32x3")
+        m_ref = tl.max(_score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, ""), 1)
+        m_ref = tl.where(m_ref == float("-inf"), 0.0, m_ref)
+        m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance,
+                                            m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, True, "",
+                                            BLOCK_M, BLOCK_K, BLOCK_D)
+        if tl.max(m_seen - m_ref, 0) > MAX_GAP:  # exp(s − m_ref) may have overflowed: sweep from the maxima
+            m_ref = tl.where(m_seen == float("-inf"), 0.0, m_seen)
+            m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D,
+                                                guidance, m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False, "",
+                                                BLOCK_M, BLOCK_K, BLOCK_D)
     out = acc / l_i[:, None]
     row_in = rows < N
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & (cols < D)[None, :])
-    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=row_in & (pid_d == 0))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & d_in[None, :])
+    tl.store(lse_ptr + rows, m_ref + tl.log(l_i), mask=row_in & (pid_d == 0))
+
+
+def max_gap(dot) -> float:
+    """How far (in logits) the fixed-max forward lets a row's max pass its reference: exp(gap) must stay
+    finite in the ``tl.dot`` operand dtype and leave the float32 sums room (K · e^40 · |table| for
+    bf16 and float32 operands; float16 stops at 65504, so e^10)."""
+    return 10.0 if dot == tl.float16 else 40.0
 
 
 @triton.jit
@@ -403,14 +452,14 @@ def _chunk_probs_kernel(
 
 _TUNED = {
     "forward": Tuned(_forward_kernel, "forward", variants=("GUIDED",)),
-    "forward_two_pass": Tuned(_forward_two_pass_kernel, "forward_two_pass", variants=("GUIDED",)),
+    "forward_fixed_max": Tuned(_forward_fixed_max_kernel, "forward_fixed_max", variants=("GUIDED", "MAX_FIRST")),
     "grad_logits": Tuned(_grad_logits_kernel, "grad_logits",
                          variants=("STORE_P", "FUSED_DELTA", "HAS_GRAD_LSE")),
     "grad_table": Tuned(_grad_table_kernel, "grad_table", variants=("ATOMIC",), reset_to_zero=["dst_ptr"]),
     "fused_backward": Tuned(_fused_backward_kernel, "fused_backward", variants=("ATOMIC",),
                             reset_to_zero=["dst_ptr"]),
 }
-_KERNELS = {"forward": _forward_kernel, "forward_two_pass": _forward_two_pass_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel,
+_KERNELS = {"forward": _forward_kernel, "forward_fixed_max": _forward_fixed_max_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel,
             "fused_backward": _fused_backward_kernel, "chunk": _chunk_kernel, "chunk_probs": _chunk_probs_kernel}
 
 
@@ -424,7 +473,7 @@ def _launch(name: str, grid, N: int, K: int, D: int, args: tuple, dot, **const) 
 
 
 FORWARD_ENV = "VQLCMD_TRITON_FORWARD"
-FORWARD_VARIANTS = ("fused", "two-pass", "chunked")
+FORWARD_VARIANTS = ("fused", "two-pass", "first-tile", "chunked")
 
 
 def _choice(variant: Optional[str], env: str, choices: tuple, default: str) -> str:
@@ -439,8 +488,10 @@ def _choice(variant: Optional[str], env: str, choices: tuple, default: str) -> s
 def forward_variant(variant: Optional[str] = None) -> str:
     """``variant``, else $VQLCMD_TRITON_FORWARD, else "fused" (the one-pass kernel).
 
-    "two-pass" finds each row's max in a first sweep over its logits, so that the second needs no
-    online rescaling (``_forward_two_pass_kernel``). It is not the default yet: no GPU has timed it.
+    "two-pass" and "first-tile" run ``_forward_fixed_max_kernel``, whose products need no online
+    rescaling: "two-pass" finds each row's max in a first sweep over its logits, "first-tile" takes
+    the first K tile's max and sweeps again only for rows whose logits spread further than
+    ``max_gap``. Neither is the default yet: no GPU has timed them.
     """
     return _choice(variant, FORWARD_ENV, FORWARD_VARIANTS, "fused")
 
@@ -451,7 +502,8 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
 
     ``variant`` (default $VQLCMD_TRITON_FORWARD, else "fused"): the one-pass FlashAttention-style
     kernel, "two-pass": a sweep for each row's max, then the same product without online rescaling,
-    or "chunked": the softmax of a chunk of rows in Triton and P_c·table through cuBLAS.
+    "first-tile": that product against the first K tile's max (a second sweep only where it falls
+    short), or "chunked": the softmax of a chunk of rows in Triton and P_c·table through cuBLAS.
     """
     N, K = logits.shape
     D = table.shape[1]
@@ -470,9 +522,13 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
     if variant == "chunked":
         _chunked_forward(logits, uncond, table, float(guidance), guided, out, lse, dot)
     else:
-        _launch("forward" if variant == "fused" else "forward_two_pass",
-                lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"])),
-                N, K, D, (logits, uncond, table, out, lse, N, K, D, float(guidance)), dot, GUIDED=guided)
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(D, meta["BLOCK_D"]))  # noqa: E731
+        args = (logits, uncond, table, out, lse, N, K, D, float(guidance))
+        if variant == "fused":
+            _launch("forward", grid, N, K, D, args, dot, GUIDED=guided)
+        else:
+            _launch("forward_fixed_max", grid, N, K, D, args, dot, GUIDED=guided, MAX_FIRST=variant == "two-pass",
+                    MAX_GAP=max_gap(dot))
     return out, lse
 
 

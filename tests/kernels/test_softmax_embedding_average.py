@@ -129,21 +129,34 @@ def test_chunked_forward_matches_reference(lead, K, D, dtype, device, sea, launc
         assert launched == ["chunk_probs"] * chunks + ["chunk"] * chunks + ["chunk_probs"] * chunks
 
 
+@pytest.mark.parametrize("forward", ["two-pass", "first-tile"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D", SHAPES)
-def test_two_pass_forward_matches_reference(lead, K, D, dtype, device, sea, launched, monkeypatch):
-    # each row's max first, then P·table without online rescaling, and the log-sum-exp it saves;
-    # K = 1024 fills every K tile (the kernel's EVEN_K path, no masks), K = 1000 ends on a ragged one
-    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "two-pass")
+def test_fixed_max_forward_matches_reference(lead, K, D, dtype, forward, device, sea, launched, monkeypatch):
+    # P·table against a fixed per-row max (each row's own, or its first K tile's), no online rescaling,
+    # and the log-sum-exp it saves; K = 1024 and D = 256 fill every tile (the kernel's EVEN_K / EVEN_D
+    # path, no masks), K = 1000 and D = 48 end on ragged ones
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", forward)
     logits, table = assert_matches_reference(lead, K, D, dtype, device)
     _, lse = sea.forward(logits.reshape(-1, K), table)
     torch.testing.assert_close(lse, logits.reshape(-1, K).float().logsumexp(-1), rtol=1e-5, atol=1e-5)
     if not torch.cuda.is_available():
         N = logits[..., 0].numel()
-        assert launched == ["forward_two_pass", *backward_kernels(sea, "split", N, D, None), "forward_two_pass"]
+        assert launched == ["forward_fixed_max", *backward_kernels(sea, "split", N, D, None), "forward_fixed_max"]
 
 
-@pytest.mark.parametrize("forward", ["fused", "two-pass"])
+@pytest.mark.parametrize("spread", [39.0, 41.0, 1e4])
+def test_first_tile_forward_sweeps_again_where_logits_spread_beyond_its_reference(spread, device, sea):
+    # one row's max lies `spread` above its first K tile's: up to max_gap (40) the first sweep stands,
+    # beyond it that program sweeps again from the true maxima; both must match the reference
+    logits, table = make((130,), 1000, 24, torch.float32, device)
+    logits[70, 900] = logits[70, :256].max() + spread  # 256: the interpreter's first K tile
+    out, lse = sea.forward(logits, table, variant="first-tile")
+    assert_close(out, reference.softmax_embedding_average(logits, table), torch.float32)
+    torch.testing.assert_close(lse, logits.logsumexp(-1))
+
+
+@pytest.mark.parametrize("forward", ["fused", "two-pass", "first-tile"])
 def test_extreme_logits_stay_finite(forward, device, sea, monkeypatch):
     # logits of ±1e4, a row's max in its last K tile far above the first tiles' (what the one-pass
     # kernel rescales for and the two-pass one must find in its first sweep), rows of equal logits
@@ -330,7 +343,7 @@ def test_only_logits_need_gradient(device):
     assert_close(logits.grad, expected.grad, torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["fused", "two-pass", "chunked"])
+@pytest.mark.parametrize("variant", ["fused", "two-pass", "first-tile", "chunked"])
 def test_masked_classes_are_ignored(variant, device, monkeypatch):
     # -inf logits (masked classes), including a whole first K tile, give no NaN
     monkeypatch.setenv("VQLCMD_TRITON_FORWARD", variant)
@@ -389,7 +402,7 @@ def test_empty_batch_and_non_contiguous_inputs(device):
 
 # ---- guided variant ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("forward", ["fused", "two-pass", "chunked"])
+@pytest.mark.parametrize("forward", ["fused", "two-pass", "first-tile", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D,scale", [((2, 8), 1024, 256, 1.0), ((257,), 1000, 48, 3.5)])
 def test_guided_matches_reference(lead, K, D, scale, dtype, forward, device, monkeypatch):
@@ -465,11 +478,15 @@ def test_gpu_goal_shape(dtype, variant, deterministic, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forward", ["two-pass", "first-tile"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_two_pass_forward_goal_shape(dtype, sea, monkeypatch):
-    # the autotuned two-pass forward (N = 32768), its log-sum-exp, and its guided variant
-    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "two-pass")
+def test_gpu_fixed_max_forward_goal_shape(dtype, forward, sea, monkeypatch):
+    # the autotuned fixed-max forwards (N = 32768), their log-sum-exp, and their guided variant; rows
+    # 5 and 9 spread beyond max_gap, so that first-tile's row blocks holding them sweep again
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", forward)
     logits, table = make((32768,), 1024, 256, dtype, "cuda")
+    logits[5, 1000] = 60.0
+    logits[9000, 700] = 45.0
     out, lse = sea.forward(logits, table)
     assert_close(out, reference.softmax_embedding_average(logits, table), dtype)
     torch.testing.assert_close(lse, logits.float().logsumexp(-1), rtol=1e-5, atol=1e-5)
