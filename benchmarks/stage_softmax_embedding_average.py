@@ -14,7 +14,9 @@ Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` set
 delta = rowsum(dY ∘ Y) itself, no delta kernel), timed for ``fwd+bwd`` only; ``triton-first-tile``
 and ``triton-two-pass`` are the default with ``VQLCMD_TRITON_FORWARD=first-tile`` / ``two-pass`` (the
 product against a fixed per-row max, with no online rescaling: the first K tile's max, or each row's
-own from a first sweep), timed in every case. So one GPU run says which variant is faster; the
+own from a first sweep), timed in every case; ``triton-rows`` is the default with
+``VQLCMD_TRITON_DLOGITS=rows`` (dlogits by blocks of whole rows with dY on chip, delta summed there),
+timed for ``fwd+bwd`` only. So one GPU run says which variant is faster; the
 forward and the delta choices are separate kernels, so their savings add.
 Cases: ``fwd`` (no grad), ``fwd+bwd`` (both inputs, non-unit upstream gradient) and ``guided``
 (the samplers' classifier-free-guided variant, ω = 1). The goal case of issue 5 is
@@ -37,18 +39,20 @@ BASELINE = "eager"
 GUIDANCE = 1.0
 # triton backends -> the variant switches they run under (read by the kernels' launchers at each call);
 # every one is set, so that the caller's environment does not change what a name measures
-_DEFAULTS = {"VQLCMD_TRITON_FORWARD": "fused", "VQLCMD_TRITON_BACKWARD": "auto", "VQLCMD_TRITON_DELTA": "kernel"}
+_DEFAULTS = {"VQLCMD_TRITON_FORWARD": "fused", "VQLCMD_TRITON_BACKWARD": "auto", "VQLCMD_TRITON_DELTA": "kernel",
+             "VQLCMD_TRITON_DLOGITS": "tiles"}
 VARIANTS = {
     "triton": _DEFAULTS,
     "triton-fused": {**_DEFAULTS, "VQLCMD_TRITON_BACKWARD": "fused"},
     "triton-chunked": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "chunked", "VQLCMD_TRITON_BACKWARD": "chunked"},
     "triton-split": {**_DEFAULTS, "VQLCMD_TRITON_BACKWARD": "split"},
     "triton-delta": {**_DEFAULTS, "VQLCMD_TRITON_DELTA": "fused"},
+    "triton-rows": {**_DEFAULTS, "VQLCMD_TRITON_DLOGITS": "rows"},
     "triton-first-tile": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "first-tile"},
     "triton-two-pass": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "two-pass"},
 }
 # the variants that change only the backward: their forward and guided rows would repeat triton's
-BACKWARD_ONLY = ("triton-fused", "triton-split", "triton-delta")
+BACKWARD_ONLY = ("triton-fused", "triton-split", "triton-delta", "triton-rows")
 
 
 def _shapes(ctx: Context) -> list[tuple[int, int, int]]:

@@ -32,6 +32,8 @@ EXTRA = {
                     (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
     # the mm backward's dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused) and writing P
     "grad_logits+delta": [(128, 256, 64, 8, 3), (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
+    # VQLCMD_TRITON_DLOGITS=rows: whole rows of dY on chip, K swept (P written, delta summed there)
+    "grad_logits_rows": [(64, 32, 256, 4, 2), (128, 32, 256, 8, 4), (64, 16, 256, 4, 4), (128, 128, 256, 8, 2)],
     "grad_table": [(128, 128, 256, 8, 2), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 256, 128, 8, 2),
                    (128, 128, 128, 8, 4), (32, 128, 256, 8, 4)],
 }
@@ -48,6 +50,7 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
     import triton
 
     import kernels.softmax_embedding_average as sea
+    from benchmarks.harness import environment
     from kernels import _launch
 
     g = torch.Generator(device).manual_seed(0)
@@ -58,6 +61,9 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
     sea.forward(logits, table, variant="first-tile")
     sea.forward(logits, table, variant="two-pass")
     sea.backward(dy, out, lse, logits, table)
+    if _launch.rows_fit(D, _launch.dot_dtype(logits, table)):
+        with environment({"VQLCMD_TRITON_DLOGITS": "rows"}):
+            sea.backward(dy, out, lse, logits, table)
     t = dict(logits=logits, table=table, dy=dy, out=out, lse=lse, grad_logits=torch.empty_like(logits),
              p=torch.empty_like(logits), delta=(dy.float() * out.float()).sum(-1), dst=torch.zeros(K, D, device=device))
     dot, n_split = _launch.dot_dtype(logits, table), _launch.splits(N)
@@ -76,6 +82,11 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
             return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
                 logits, table, dy, out, lse, t["lse"], t["delta"], t["grad_logits"], logits, N, K, D,
                 STORE_P=False, FUSED_DELTA=False, HAS_GRAD_LSE=False, **blk)
+        if name == "grad_logits_rows":  # delta summed in the kernel (from dY and out), P written; whole rows
+            rows_blk = dict(blk, BLOCK_D=max(d, triton.next_power_of_2(D)))
+            return lambda: sea._grad_logits_rows_kernel[(triton.cdiv(N, m),)](
+                logits, table, dy, out, lse, t["lse"], t["grad_logits"], t["p"], N, K, D,
+                STORE_P=True, HAS_GRAD_LSE=False, **rows_blk)
         if name == "grad_logits+delta":  # delta summed in the kernel (from dY and out), P written
             return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
                 logits, table, dy, out, lse, t["lse"], lse, t["grad_logits"], t["p"], N, K, D,

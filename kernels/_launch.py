@@ -97,6 +97,11 @@ _CONFIGS = {
     ("grad_logits", 32): [
         (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 32, 8, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4),
     ],
+    # the rows dlogits kernel: a (BLOCK_M, D <= BLOCK_D) dY block on chip, K swept in BLOCK_K steps
+    ("grad_logits_rows", 16): [
+        (64, 32, 256, 4, 4), (64, 32, 256, 4, 3), (64, 64, 256, 4, 2), (64, 64, 256, 4, 3),
+        (128, 32, 256, 8, 3), (128, 64, 256, 8, 2), (64, 128, 256, 8, 2),
+    ],
     # (BLOCK_K, BLOCK_D) accumulator of dtable, rows streamed in BLOCK_M steps
     ("grad_table", 16): [
         (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (32, 128, 256, 8, 3), (64, 64, 256, 8, 3),
@@ -121,7 +126,7 @@ _SMALL_BLOCKS = {
     ("forward_fixed_max", 16): (64, 32, 256, 4, 3), ("forward_fixed_max", 32): (64, 32, 256, 8, 2),
     ("grad_logits", 16): (64, 64, 64, 4, 3), ("grad_logits", 32): (64, 64, 64, 4, 3),
     ("grad_table", 16): (64, 64, 128, 4, 3), ("grad_table", 32): (64, 64, 128, 4, 3),
-    ("fused_backward", 16): (64, 64, 256, 8, 2),
+    ("fused_backward", 16): (64, 64, 256, 8, 2), ("grad_logits_rows", 16): (64, 32, 256, 4, 3),
 }
 
 
@@ -246,6 +251,17 @@ def mm_rows(N: int, K: int, p_bytes: int) -> int:
     if N * K * p_bytes <= MM_P_BYTES:
         return max(N, 1)
     return min(N, max(SPLIT_ALIGN, MM_P_BYTES // (K * p_bytes) // SPLIT_ALIGN * SPLIT_ALIGN))
+
+
+# the rows dlogits kernel keeps whole rows of dY on chip
+ROWS_MAX_D = 256
+
+
+def rows_fit(D: int, dot) -> bool:
+    """Whether the rows dlogits kernel serves this table width and dot operand: D <= ROWS_MAX_D, and on
+    a GPU 16-bit operands (no float32 configurations: a tf32x3 dY block would take twice the registers
+    and shared memory). The interpreter runs it for every dtype, so the CPU tests cover its logic."""
+    return D <= ROWS_MAX_D and (interpreted or _width(dot) == 16)
 
 
 def fused_fits(D: int, dot) -> bool:

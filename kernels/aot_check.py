@@ -64,6 +64,8 @@ def check(quick: bool) -> list[str]:
     if not quick:
         jobs += [(name, width, dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), warps, stages, "tuned")
                  for (name, width), cfgs in _launch._CONFIGS.items() for (m, k, d, warps, stages) in cfgs]
+    kernels["grad_logits_rows"] = (sea._grad_logits_rows_kernel.fn,
+                                   dict(STORE_P=True, HAS_GRAD_LSE=True, EVEN_K=True, EVEN_D=True))
     # the fixed-max forward's other variant ("two-pass": a max sweep first), in every tile of its own
     kernels["forward_fixed_max+max_first"] = (sea._forward_fixed_max_kernel.fn,
                                               dict(GUIDED=True, MAX_FIRST=True, MAX_GAP=40.0, EVEN_K=True, EVEN_D=True))

@@ -71,6 +71,16 @@ the maxima first (~30 instructions per tile: packed bf16 max) and then the produ
 reads the logits twice, the second time from L2 (hinted evict_last). Neither is the default yet:
 no GPU has timed them (benchmarks: ``triton-first-tile``, ``triton-two-pass``).
 
+The dlogits kernel (114 of the mm backward's 241 µs on the H100) moves 192 MB (logits in, dlogits
+and P out), 64 µs at copy speed, and runs its product at ~150 TFLOP/s: bound by neither. Each of
+its programs computes one (rows, classes) tile in four D steps at D = 256, so it fills and drains
+its load pipeline around a short product (sm_90 SASS: a 62-instruction D loop between a long
+prologue and epilogue). VQLCMD_TRITON_DLOGITS=rows (``dlogits_variant``) runs
+``_grad_logits_rows_kernel`` instead: a program holds a block of whole dY rows on chip and sweeps
+every class, so the next tiles' loads are in flight during this one's product and epilogue, dY is
+read once per row block instead of once per K block, and delta is summed there once per row block
+(no delta kernel: 14 µs). Not the default yet: no GPU has timed it (benchmarks: ``triton-rows``).
+
 In the split and mm backwards the dlogits kernel can also sum delta itself (VQLCMD_TRITON_DELTA=fused,
 ``delta_variant``) from the dY tiles of its product loop and the matching Y tiles, which saves the
 delta kernel (14 µs of the mm backward's 241 on the H100) for more reads of Y from L2. It is not
@@ -92,7 +102,7 @@ import triton
 import triton.language as tl
 
 from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fused_fits, fused_splits, interpreted,
-                      mm_rows, splits)
+                      mm_rows, rows_fit, splits)
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
@@ -317,6 +327,52 @@ def _grad_logits_kernel(
         tl.store(p_ptr + offs, p.to(DOT_DTYPE), mask=mask)
 
 
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+                    "EVEN_D": lambda args: args["D"] == args["BLOCK_D"]})
+@triton.jit
+def _grad_logits_rows_kernel(
+    logits_ptr, table_ptr, grad_out_ptr, out_ptr, grad_lse_ptr, lse_ptr, grad_logits_ptr, p_ptr,
+    N, K, D,
+    STORE_P: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # dlogits (and P with STORE_P) for a block of whole rows: the program keeps the block's dY
+    # (BLOCK_M, D <= BLOCK_D: the configs' 256, clamped to D's power of two) on chip and sweeps K, one
+    # (BLOCK_M, BLOCK_K) tile of dY·tableᵀ per step.
+    # The tile kernel runs one such tile per program, four D steps long at D = 256, so each program
+    # fills and drains its load pipeline around a short product, re-reads its dY block from L2 once
+    # per K block, and reads Y again for delta if it sums its own. Here the loads of the next K
+    # tiles are in flight during this one's product and epilogue, dY is read once, and delta =
+    # rowsum(dY ∘ Y) − dLSE is summed once per row block, so no delta kernel runs before it.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+    ds = tl.arange(0, BLOCK_D)
+    d_in = (ds < D) | EVEN_D
+    dy = tl.load(grad_out_ptr + safe_rows[:, None] * D + ds[None, :], mask=d_in[None, :], other=0.0)
+    y = tl.load(out_ptr + safe_rows[:, None] * D + ds[None, :], mask=d_in[None, :], other=0.0)
+    delta = tl.sum(dy.to(tl.float32) * y.to(tl.float32), 1)
+    if HAS_GRAD_LSE:
+        # d lse / d logits = P, so a gradient on lse folds into the same P ∘ (· − delta) term.
+        delta -= tl.load(grad_lse_ptr + safe_rows).to(tl.float32)
+    lse2 = tl.load(lse_ptr + safe_rows) * LOG2E
+    dy = dy.to(DOT_DTYPE)
+    row_in = rows < N
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = (ks < K) | EVEN_K
+        t = tl.load(table_ptr + ks[:, None] * D + ds[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
+        dy_t = tl.dot(dy, tl.trans(t.to(DOT_DTYPE)), input_precision="tf32x3")  # (BLOCK_M, BLOCK_K)
+        s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0)
+        p = tl.exp2(s.to(tl.float32) * LOG2E - lse2[:, None])
+        grad = p * (dy_t - delta[:, None])
+        mask = row_in[:, None] & k_in[None, :]
+        offs = rows.to(tl.int64)[:, None] * K + ks[None, :]
+        tl.store(grad_logits_ptr + offs, grad, mask=mask)
+        if STORE_P:
+            tl.store(p_ptr + offs, p.to(DOT_DTYPE), mask=mask)
+
+
 @triton.jit
 def _grad_table_kernel(
     logits_ptr, grad_out_ptr, lse_ptr, dst_ptr,
@@ -455,11 +511,13 @@ _TUNED = {
     "forward_fixed_max": Tuned(_forward_fixed_max_kernel, "forward_fixed_max", variants=("GUIDED", "MAX_FIRST")),
     "grad_logits": Tuned(_grad_logits_kernel, "grad_logits",
                          variants=("STORE_P", "FUSED_DELTA", "HAS_GRAD_LSE")),
+    "grad_logits_rows": Tuned(_grad_logits_rows_kernel, "grad_logits_rows", variants=("STORE_P", "HAS_GRAD_LSE")),
     "grad_table": Tuned(_grad_table_kernel, "grad_table", variants=("ATOMIC",), reset_to_zero=["dst_ptr"]),
     "fused_backward": Tuned(_fused_backward_kernel, "fused_backward", variants=("ATOMIC",),
                             reset_to_zero=["dst_ptr"]),
 }
-_KERNELS = {"forward": _forward_kernel, "forward_fixed_max": _forward_fixed_max_kernel, "grad_logits": _grad_logits_kernel, "grad_table": _grad_table_kernel,
+_KERNELS = {"forward": _forward_kernel, "forward_fixed_max": _forward_fixed_max_kernel, "grad_logits": _grad_logits_kernel,
+            "grad_logits_rows": _grad_logits_rows_kernel, "grad_table": _grad_table_kernel,
             "fused_backward": _fused_backward_kernel, "chunk": _chunk_kernel, "chunk_probs": _chunk_probs_kernel}
 
 
@@ -566,6 +624,22 @@ def delta_variant(variant: Optional[str] = None) -> str:
     return _choice(variant, DELTA_ENV, DELTA_VARIANTS, "kernel")
 
 
+DLOGITS_ENV = "VQLCMD_TRITON_DLOGITS"
+DLOGITS_VARIANTS = ("tiles", "rows")
+
+
+def dlogits_variant(variant: Optional[str] = None) -> str:
+    """``variant``, else $VQLCMD_TRITON_DLOGITS, else "tiles".
+
+    Which kernel computes dlogits in the split and mm backwards: "tiles", one (rows, classes) tile per
+    program (``_grad_logits_kernel``), or "rows", a block of whole rows per program sweeping all
+    classes with its dY on chip (``_grad_logits_rows_kernel``; it sums delta itself, so no delta
+    kernel runs). "rows" needs D <= 256, and on a GPU 16-bit operands (``rows_fit``); elsewhere the
+    tiles run. "tiles" stays the default until a GPU run says "rows" pays (benchmarks: ``triton-rows``).
+    """
+    return _choice(variant, DLOGITS_ENV, DLOGITS_VARIANTS, "tiles")
+
+
 def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logits: torch.Tensor,
              table: torch.Tensor, grad_lse: Optional[torch.Tensor] = None, *, need_logits: bool = True,
              need_table: bool = True, deterministic: bool = False,
@@ -599,6 +673,9 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     # 16-bit operands on a GPU (float32's tf32x3 tiles spill registers when they sum delta too: aot_check)
     own_delta = (delta_variant() == "fused" and variant != "chunked" and not fused
                  and (interpreted or dot != tl.float32))
+    # the rows dlogits kernel always sums its own delta
+    rows_kernel = dlogits_variant() == "rows" and variant in ("split", "mm") and rows_fit(D, dot)
+    own_delta = own_delta or rows_kernel
     delta = None
     if N and need_logits and not own_delta:
         delta = torch.empty((N,), device=dev, dtype=torch.float32)
@@ -611,7 +688,7 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
         return _chunked_backward(grad_out, lse, logits, table, delta, need_logits, need_table, dot)
     dl = _DeltaFrom(delta, out, grad_lse)
     if variant == "mm" and need_logits and need_table and N:
-        return _mm_backward(grad_out, lse, logits, table, dl, dot)
+        return _mm_backward(grad_out, lse, logits, table, dl, dot, rows_kernel)
     grad_logits = torch.empty_like(logits) if need_logits else None
     if need_table:
         n_split = fused_splits(N) if fused else splits(N)
@@ -628,7 +705,7 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
                     ATOMIC=atomic)
         else:
             if need_logits:
-                _grad_logits(logits, table, grad_out, lse, dl, grad_logits, dot)
+                _grad_logits(logits, table, grad_out, lse, dl, grad_logits, dot, rows_kernel=rows_kernel)
             if need_table:
                 _launch("grad_table",
                         lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(D, meta["BLOCK_D"]), n_split),
@@ -668,19 +745,27 @@ class _DeltaFrom(NamedTuple):
         return _DeltaFrom(*(None if t is None else t[piece] for t in self))
 
 
-def _grad_logits(logits, table, grad_out, lse, dl: _DeltaFrom, grad_logits, dot, p=None) -> None:
-    """The split dlogits kernel into ``grad_logits``; with ``p``, it writes P there too. Pointers a
-    constexpr switch leaves unread (P without STORE_P, the delta inputs) get a live tensor."""
+def _grad_logits(logits, table, grad_out, lse, dl: _DeltaFrom, grad_logits, dot, p=None,
+                 rows_kernel=False) -> None:
+    """The split dlogits kernel into ``grad_logits``, or with ``rows_kernel`` the rows kernel (which sums delta
+    itself: ``dl.values`` is then None); with ``p``, it writes P there too. Pointers a constexpr switch
+    leaves unread (P without STORE_P, the delta inputs) get a live tensor."""
     N, K = logits.shape
     D = table.shape[1]
     own = dl.values is None
+    if rows_kernel:
+        _launch("grad_logits_rows", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]),), N, K, D,
+                (logits, table, grad_out, dl.out, lse if dl.grad_lse is None else dl.grad_lse, lse, grad_logits,
+                 logits if p is None else p, N, K, D), dot,
+                STORE_P=p is not None, HAS_GRAD_LSE=dl.grad_lse is not None)
+        return
     _launch("grad_logits", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
             N, K, D, (logits, table, grad_out, dl.out, lse if dl.grad_lse is None else dl.grad_lse, lse,
                       lse if own else dl.values, grad_logits, logits if p is None else p, N, K, D), dot,
             STORE_P=p is not None, FUSED_DELTA=own, HAS_GRAD_LSE=own and dl.grad_lse is not None)
 
 
-def _mm_backward(grad_out, lse, logits, table, dl: _DeltaFrom, dot):
+def _mm_backward(grad_out, lse, logits, table, dl: _DeltaFrom, dot, rows_kernel=False):
     """Both gradients: dlogits and P from the dlogits kernel, then dtable = Pᵀ·dY by cuBLAS, over all
     rows at once or, where P would pass ``MM_P_BYTES`` (_launch.py), piece by piece of rows (one P buffer,
     float32 sums of the pieces' products)."""
@@ -695,7 +780,7 @@ def _mm_backward(grad_out, lse, logits, table, dl: _DeltaFrom, dot):
         piece = slice(r0, min(r0 + rows, N))
         n = piece.stop - r0
         _grad_logits(logits[piece], table, grad_out[piece], lse[piece], dl.rows(piece), grad_logits[piece], dot,
-                     p=p[:n])
+                     p=p[:n], rows_kernel=rows_kernel)
         product = _mm_float32(p[:n].t(), dy[piece])
         grad_table = product if grad_table is None else grad_table.add_(product)
     return grad_logits, grad_table.to(table.dtype)

@@ -51,7 +51,7 @@ step gpu-tests 240 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests
 # variants not yet timed against the default and eager (the variants measured slower are left out), then
 # the compiled ops with the sliced noise backward
 step bench-softmax 130 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
-  --stage softmax_embedding_average --backend compile,triton,triton-delta,triton-first-tile,triton-two-pass
+  --stage softmax_embedding_average --backend compile,triton,triton-delta,triton-rows,triton-first-tile,triton-two-pass
 step bench-compiled 80 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" --stage compiled_ops
 step bench 120 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
   --stage attention,zero,train_step,sampling,denoiser

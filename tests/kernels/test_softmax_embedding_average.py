@@ -114,6 +114,20 @@ def test_output_and_gradients_match_reference(lead, K, D, dtype, variant, device
         assert launched == ["forward", *backward_kernels(sea, variant, logits[..., 0].numel(), D, None)]
 
 
+@pytest.mark.parametrize("variant", ["split", "mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead,K,D", SHAPES)
+def test_rows_dlogits_kernel_matches_reference(lead, K, D, dtype, variant, device, sea, launched, monkeypatch):
+    # the dlogits kernel over blocks of whole rows (VQLCMD_TRITON_DLOGITS=rows), which sums delta itself:
+    # K = 1024 and D = 256 fill its tiles (EVEN_K, EVEN_D), K = 1000 and D = 48 do not
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", "rows")
+    logits, _ = assert_matches_reference(lead, K, D, dtype, device)
+    if not torch.cuda.is_available():
+        tail = ["grad_table"] if variant == "split" else []
+        assert launched == ["forward", "grad_logits_rows", *tail]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D", SHAPES)
 def test_chunked_forward_matches_reference(lead, K, D, dtype, device, sea, launched, monkeypatch):
@@ -187,21 +201,24 @@ def test_extreme_logits_stay_finite(forward, device, sea, monkeypatch):
 NEEDS = [(True, True), (True, False), (False, True)]
 
 
-# (backward variant, where its dlogits kernel takes delta from): the fused and chunked backwards always
-# read the delta kernel's output, split and mm may sum delta themselves
-VARIANT_DELTAS = [("fused", "kernel"), ("split", "kernel"), ("chunked", "kernel"), ("mm", "kernel"),
-                  ("split", "fused"), ("mm", "fused")]
+# (backward variant, where its dlogits kernel takes delta from, which dlogits kernel): the fused and
+# chunked backwards always read the delta kernel's output, split and mm may sum delta themselves, and
+# their rows dlogits kernel always does
+VARIANT_DELTAS = [("fused", "kernel", "tiles"), ("split", "kernel", "tiles"), ("chunked", "kernel", "tiles"),
+                  ("mm", "kernel", "tiles"), ("split", "fused", "tiles"), ("mm", "fused", "tiles"),
+                  ("split", "kernel", "rows"), ("mm", "kernel", "rows"), ("fused", "kernel", "rows")]
 
 
-@pytest.mark.parametrize("variant,delta", VARIANT_DELTAS)
+@pytest.mark.parametrize("variant,delta,dlogits", VARIANT_DELTAS)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, delta, device, sea, launched,
+def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, delta, dlogits, device, sea, launched,
                                             monkeypatch):
     # The backward entry point directly: every (need_logits, need_table) pair, a gradient on lse as
     # well as on the output, atomic and split-by-split dtable sums. 300 rows: three row splits with
     # a ragged last one (splits are 128 rows under the interpreter).
     monkeypatch.setenv("VQLCMD_TRITON_DELTA", delta)
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", dlogits)
     N, K, D = 300, 1000, 48
     logits, table = make((N,), K, D, dtype, device, seed=2)
     g = torch.Generator().manual_seed(3)
@@ -227,15 +244,25 @@ def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, delta
         # "mm" with both gradients: the dlogits kernel also writes P, and dtable is a torch.mm
         mm = variant == "mm" and need_logits
         assert ("grad_table" in launched) == (need_table and not fused and not mm and variant != "chunked"), launched
+        rows = dlogits == "rows" and variant in ("split", "mm") and need_logits
+        if not torch.cuda.is_available():  # on a GPU float32 keeps the tile kernel (rows_fit)
+            assert ("grad_logits_rows" in launched) == rows and not (rows and "grad_logits" in launched), launched
 
 
 def test_wide_tables_and_unknown_variants(sea, launched, monkeypatch):
-    # D > 256 does not fit the fused kernel's on-chip dtable tile: the split kernels take it
+    # D > 256 does not fit the fused kernel's on-chip dtable tile nor the rows kernel's dY block: the
+    # split kernels take it
     logits, table = make((5,), 40, 300, torch.float32, "cpu")
     out, lse = sea.forward(logits, table)
-    launched.clear()
-    sea.backward(torch.randn_like(out), out, lse, logits, table)
-    assert launched == ["grad_logits", "grad_table"]
+    for dlogits in ("tiles", "rows"):
+        monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", dlogits)
+        launched.clear()
+        sea.backward(torch.randn_like(out), out, lse, logits, table)
+        assert launched == ["grad_logits", "grad_table"]
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", "row")
+    with pytest.raises(ValueError, match="VQLCMD_TRITON_DLOGITS"):
+        sea.backward(out, out, lse, logits, table)
+    monkeypatch.delenv("VQLCMD_TRITON_DLOGITS")
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "fast")
     with pytest.raises(ValueError, match="VQLCMD_TRITON_BACKWARD"):
         sea.backward(out, out, lse, logits, table)
@@ -493,6 +520,23 @@ def test_gpu_fixed_max_forward_goal_shape(dtype, forward, sea, monkeypatch):
     uncond, _ = make((32768,), 1024, 256, dtype, "cuda", seed=3)
     guided = ops.guided_embedding_average(logits, uncond, table, 1.0, backend="triton")
     assert_close(guided, reference.guided_embedding_average(logits, uncond, table, 1.0), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["mm", "split"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rows_dlogits_goal_shape(dtype, variant, sea, launched, monkeypatch):
+    # the autotuned rows dlogits kernel (N = 32768) in both backwards that use it, against the reference
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", "rows")
+    logits, table = make((32, 1024), 1024, 256, dtype, "cuda")
+    upstream = torch.randn(32, 1024, 256, device="cuda", dtype=dtype)
+    out, g_logits, g_table = grads(triton_average, logits, table, upstream)
+    ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
+    assert "grad_logits_rows" in launched and "grad_logits" not in launched, launched
+    assert_close(out, ref, dtype)
+    assert_close(g_logits, r_logits, dtype)
+    assert_close(g_table, r_table, dtype)
 
 
 def delta_rounding_bound(logits, table, upstream, dtype):

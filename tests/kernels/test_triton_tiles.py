@@ -38,6 +38,11 @@ def test_each_launcher_computes_what_the_library_does(cfg, device):
     launcher("grad_logits+delta", cfg)()
     torch.testing.assert_close(t["grad_logits"], ref_logits)
     torch.testing.assert_close(t["p"], torch.softmax(t["logits"], -1))
+    for name in ("grad_logits", "p"):
+        t[name].zero_()
+    launcher("grad_logits_rows", cfg)()  # its launcher widens BLOCK_D to the whole row (D = 32)
+    torch.testing.assert_close(t["grad_logits"], ref_logits)
+    torch.testing.assert_close(t["p"], torch.softmax(t["logits"], -1))
     t["dst"].zero_()
     launcher("grad_table", cfg)()
     torch.testing.assert_close(t["dst"], ref_table)
