@@ -6,8 +6,10 @@
 #      the softmax_embedding_average variants, the compiled ops, then the other stages,
 #   4. runs the quick start's training + evaluation on the GPU (configs/ds_digits.json).
 # Usage: bash scripts/gpu_check.sh OUT_DIR [SECONDS]. Every step gets a share of SECONDS (default 540)
-# and its log in OUT_DIR; a failing step does not stop the later ones. Needs the project's Python
-# dependencies importable (installed, or on PYTHONPATH) and nvcc for step 1.
+# and its log in OUT_DIR; a failing step does not stop the later ones. STEPS=name,name,... runs only
+# those steps (names as printed: build, gpu-tests, bench-softmax-bwd, bench-softmax-fwd, bench-compiled,
+# bench, quickstart), e.g. the benchmarks in one lease and the tests in the next. Needs the project's
+# Python dependencies importable (installed, or on PYTHONPATH) and nvcc for the build.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
@@ -25,6 +27,7 @@ if [ -x /usr/bin/g++ ] && [ "${VQLCMD_KEEP_CXX:-0}" != 1 ]; then export CC=/usr/
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...: runs COMMAND for at most LIMIT (or what is left), logs it
   local name=$1 limit=$2; shift 2
+  if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return; fi
   local left=$(( deadline - $(date +%s) - 5 ))
   (( left < limit )) && limit=$left
   if (( limit < 10 )); then echo "=== $name: skipped, no time left"; return; fi
@@ -47,11 +50,14 @@ MAX_JOBS=${MAX_JOBS:-$(nproc)} step build 240 "$py" setup.py build_ext --inplace
 # compiled-op and Triton tests alone did not finish in 100 s with a cold cache (and the delta and
 # sliced-backward variants add compiles and cases since)
 step gpu-tests 240 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests
-# the two open goals first, each in its own step so that one cut short keeps the other's rows: the Triton
-# variants not yet timed against the default and eager (the variants measured slower are left out), then
-# the compiled ops with the sliced noise backward
-step bench-softmax 130 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
-  --stage softmax_embedding_average --backend compile,triton,triton-delta,triton-rows,triton-first-tile,triton-two-pass
+# the two open goals first, in steps of their own so that one cut short keeps the others' rows (a stage's
+# rows are written when it ends): the Triton variants not yet timed against the default and eager
+# (torch.compile and the variants measured slower are left out), then the compiled ops with the
+# sliced noise backward
+step bench-softmax-bwd 100 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
+  --stage softmax_embedding_average --backend triton,triton-delta,triton-rows
+step bench-softmax-fwd 100 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
+  --stage softmax_embedding_average --backend triton-first-tile,triton-two-pass
 step bench-compiled 80 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" --stage compiled_ops
 step bench 120 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
   --stage attention,zero,train_step,sampling,denoiser
