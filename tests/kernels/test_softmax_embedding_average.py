@@ -128,6 +128,24 @@ def test_rows_dlogits_kernel_matches_reference(lead, K, D, dtype, variant, devic
         assert launched == ["forward", "grad_logits_rows", *tail]
 
 
+@pytest.mark.parametrize("forward,dlogits", [("fused", "tiles"), ("first-tile", "rows"), ("two-pass", "rows")])
+@pytest.mark.parametrize("lead,K,D", [((3,), 7, 5), ((2,), 1, 3), ((5,), 300, 1)])
+def test_tiny_shapes_every_kernel_variant(lead, K, D, forward, dlogits, device, monkeypatch):
+    # one class, one embedding column, tiles far larger than the problem, through the mm backward
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", forward)
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", dlogits)
+    monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "mm")
+    logits, table = make(lead, K, D, torch.float32, device)
+    upstream = torch.randn(*lead, D, generator=torch.Generator().manual_seed(1)).to(device)
+    (out, g_logits, g_table), (r_out, r_logits, r_table) = (
+        grads(fn, logits, table, upstream) for fn in (triton_average, reference.softmax_embedding_average))
+    assert_close(out, r_out, torch.float32)
+    assert_close(g_table, r_table, torch.float32)
+    # dlogits = P (dY·tableᵀ − delta) cancels to exactly 0 at K = 1: allow the rounding of its terms
+    terms = (upstream.abs() @ table.abs().t()).max()
+    torch.testing.assert_close(g_logits, r_logits, rtol=1e-5, atol=1e-6 * terms.item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D", SHAPES)
 def test_chunked_forward_matches_reference(lead, K, D, dtype, device, sea, launched, monkeypatch):
