@@ -77,3 +77,25 @@ def test_environment_sets_the_switches_and_restores_what_was_there(monkeypatch):
     assert os.environ["VQLCMD_TEST_KEPT"] == "before" and "VQLCMD_TEST_NEW" not in os.environ
     with harness.environment(None):
         assert os.environ["VQLCMD_TEST_KEPT"] == "before"
+
+
+def test_kernel_fraction_of_copy_where_a_replay_falls_short(monkeypatch):
+    # compiled_ops reports, beside a replay below the goal, the bandwidth over the kernels' own device time
+    from benchmarks import stage_compiled_ops as stage
+
+    built = []
+
+    def build():
+        built.append(True)
+        return (lambda: None), None
+
+    monkeypatch.setattr(stage, "kernel_sum_ms", lambda fn, device, setup=None: Timing(0.02, 0.001, 0, 5))
+    extra = stage._kernel_fraction(build, torch.device("cuda"), nbytes=40_000_000, copy_bps=2.5e12)
+    assert built and extra == {"kernel_ms": 0.02, "kernel_fraction_of_copy": 0.8}  # 40 MB in 20 µs at 2.5 TB/s
+
+    def no_activity(fn, device, setup=None):
+        raise RuntimeError("the profiler recorded no CUDA activity")
+
+    monkeypatch.setattr(stage, "kernel_sum_ms", no_activity)
+    extra = stage._kernel_fraction(build, torch.device("cuda"), nbytes=1, copy_bps=1.0)
+    assert extra["kernel_ms"].startswith("n/a: ") and "no CUDA activity" in extra["kernel_ms"]
