@@ -56,7 +56,7 @@ def check(quick: bool) -> list[str]:
                                                                            EVEN_K=True, EVEN_D=True)),
                "grad_logits": (sea._grad_logits_kernel.fn, dict(STORE_P=True, FUSED_DELTA=False, HAS_GRAD_LSE=False,
                                                                 EVEN_K=True, EVEN_D=True)),
-               "grad_table": (sea._grad_table_kernel, dict(ATOMIC=True)),
+               "grad_table": (sea._grad_table_kernel.fn, dict(ATOMIC=True, EVEN_K=True, EVEN_D=True)),
                "fused_backward": (sea._fused_backward_kernel, dict(ATOMIC=True))}
     # (name, operand width, constexprs, warps, stages, kind)
     jobs = [(name, width, dict(BLOCK_M=m, BLOCK_K=k, BLOCK_D=d), warps, stages, "small")

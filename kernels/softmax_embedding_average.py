@@ -373,20 +373,23 @@ def _grad_logits_rows_kernel(
             tl.store(p_ptr + offs, p.to(DOT_DTYPE), mask=mask)
 
 
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+                    "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0})
 @triton.jit
 def _grad_table_kernel(
     logits_ptr, grad_out_ptr, lse_ptr, dst_ptr,
     N, K, D, rows_per_split,
-    ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # EVEN_K / EVEN_D (set from K, D and the tile): no masks along a dimension the tiles divide.
     pid_k = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_s = tl.program_id(2)
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    k_in = ks < K
-    d_in = ds < D
+    k_in = (ks < K) | EVEN_K
+    d_in = (ds < D) | EVEN_D
     acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)  # Pᵀ·dY over this split's rows
     start = pid_s * rows_per_split
     end = tl.minimum(start + rows_per_split, N)
@@ -395,8 +398,8 @@ def _grad_table_kernel(
         live = rows < end
         safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
         s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + safe_rows)
-        p = tl.where(live[:, None] & k_in[None, :], tl.exp(s - lse[:, None]), 0.0)
+        lse2 = tl.load(lse_ptr + safe_rows) * LOG2E
+        p = tl.where(live[:, None] & k_in[None, :], tl.exp2(s * LOG2E - lse2[:, None]), 0.0)
         dy = tl.load(grad_out_ptr + safe_rows[:, None] * D + ds[None, :], mask=live[:, None] & d_in[None, :],
                      other=0.0)
         acc = tl.dot(tl.trans(p.to(DOT_DTYPE)), dy.to(DOT_DTYPE), acc, input_precision="tf32x3")
