@@ -134,6 +134,25 @@ def _online_softmax_step(m_i, l_i, s):
     return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
+@triton.jit
+def _forward_block(N, K, D, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A forward program's (rows, row offsets into the logits, table columns, columns in range)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows past N re-read row N-1 and are never stored: no fully masked (-inf) softmax rows.
+    row_off = tl.minimum(rows, N - 1).to(tl.int64) * K
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return rows, row_off, cols, (cols < D) | EVEN_D
+
+
+@triton.jit
+def _store_average(out_ptr, lse_ptr, acc, l_i, m, rows, cols, d_in, N, D):
+    """out = acc / l and lse = m + log l for the program's rows (lse once, by the first column block)."""
+    row_in = rows < N
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], acc / l_i[:, None],
+             mask=row_in[:, None] & d_in[None, :])
+    tl.store(lse_ptr + rows, m + tl.log(l_i), mask=row_in & (tl.program_id(1) == 0))
+
+
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
                     "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0})
 @triton.jit
@@ -144,13 +163,7 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # EVEN_K / EVEN_D (set from K, D and the tile): no masks along a dimension the tiles divide.
-    pid_m = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Rows past N re-read row N-1 and are never stored: no fully masked (-inf) softmax rows.
-    row_off = tl.minimum(rows, N - 1).to(tl.int64) * K
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_in = (cols < D) | EVEN_D
+    rows, row_off, cols, d_in = _forward_block(N, K, D, EVEN_D, BLOCK_M, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -162,10 +175,7 @@ def _forward_kernel(
         t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
         acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc * alpha[:, None], input_precision="tf32x3")
         m_i = m_new
-    out = acc / l_i[:, None]
-    row_in = rows < N
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & d_in[None, :])
-    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=row_in & (pid_d == 0))
+    _store_average(out_ptr, lse_ptr, acc, l_i, m_i, rows, cols, d_in, N, D)
 
 
 @triton.jit
@@ -212,13 +222,7 @@ def _forward_fixed_max_kernel(
     # Else ("first-tile"): the first K tile's max, and the sweep tracks the true max as it goes; only
     # if some row's max passes its reference by MAX_GAP (trained logits rarely spread that far beyond
     # their first 32-128 classes) does the program sweep again from the true maxima.
-    pid_m = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Rows past N re-read row N-1 and are never stored: no fully masked (-inf) softmax rows.
-    row_off = tl.minimum(rows, N - 1).to(tl.int64) * K
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_in = (cols < D) | EVEN_D
+    rows, row_off, cols, d_in = _forward_block(N, K, D, EVEN_D, BLOCK_M, BLOCK_D)
     m_seen = tl.full([BLOCK_M], float("-inf"), tl.float32)
     if MAX_FIRST:
         for k0 in range(0, K, BLOCK_K):
@@ -244,10 +248,7 @@ def _forward_fixed_max_kernel(
             m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D,
                                                 guidance, m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False, "",
                                                 BLOCK_M, BLOCK_K, BLOCK_D)
-    out = acc / l_i[:, None]
-    row_in = rows < N
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=row_in[:, None] & d_in[None, :])
-    tl.store(lse_ptr + rows, m_ref + tl.log(l_i), mask=row_in & (pid_d == 0))
+    _store_average(out_ptr, lse_ptr, acc, l_i, m_ref, rows, cols, d_in, N, D)
 
 
 def max_gap(dot) -> float:
@@ -255,6 +256,22 @@ def max_gap(dot) -> float:
     finite in the ``tl.dot`` operand dtype and leave the float32 sums room (K · e^40 · |table| for
     bf16 and float32 operands; float16 stops at 65504, so e^10)."""
     return 10.0 if dot == tl.float16 else 40.0
+
+
+@triton.jit
+def _store_dlogits(grad_logits_ptr, p_ptr, s, lse, dy_t, delta, rows, ks, k_in, N, K,
+                   STORE_P: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """dlogits = P ∘ (dY·tableᵀ − delta) for a (rows, ks) tile of logits s, with P = exp(s − lse),
+    stored (and P too, with STORE_P, in the operand dtype for cuBLAS). exp2 of one FMA per element, as
+    FlashAttention scales its scores: tl.exp would subtract, then multiply by log2 e (sm_90 SASS showed
+    the dlogits kernel's epilogue 20% shorter at a 128x128 tile)."""
+    p = tl.exp2(s.to(tl.float32) * LOG2E - (lse * LOG2E)[:, None])
+    grad = p * (dy_t - delta[:, None])
+    mask = (rows < N)[:, None] & k_in[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + ks[None, :]
+    tl.store(grad_logits_ptr + offs, grad, mask=mask)
+    if STORE_P:
+        tl.store(p_ptr + offs, p.to(DOT_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -316,15 +333,7 @@ def _grad_logits_kernel(
             delta += tl.sum(dy.to(tl.float32) * y.to(tl.float32), 1)
         t = tl.load(table_ptr + ks[:, None] * D + ds[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
         dy_t = tl.dot(dy.to(DOT_DTYPE), tl.trans(t.to(DOT_DTYPE)), dy_t, input_precision="tf32x3")
-    # exp2 of one FMA per element, as FlashAttention scales its scores: tl.exp would subtract, then
-    # multiply by log2 e (and sm_90 SASS showed the epilogue 20% shorter at a 128x128 tile)
-    p = tl.exp2(s.to(tl.float32) * LOG2E - (lse * LOG2E)[:, None])
-    grad = p * (dy_t - delta[:, None])
-    mask = (rows < N)[:, None] & k_in[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + ks[None, :]
-    tl.store(grad_logits_ptr + offs, grad, mask=mask)
-    if STORE_P:
-        tl.store(p_ptr + offs, p.to(DOT_DTYPE), mask=mask)
+    _store_dlogits(grad_logits_ptr, p_ptr, s, lse, dy_t, delta, rows, ks, k_in, N, K, STORE_P, DOT_DTYPE)
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
@@ -355,22 +364,15 @@ def _grad_logits_rows_kernel(
     if HAS_GRAD_LSE:
         # d lse / d logits = P, so a gradient on lse folds into the same P ∘ (· − delta) term.
         delta -= tl.load(grad_lse_ptr + safe_rows).to(tl.float32)
-    lse2 = tl.load(lse_ptr + safe_rows) * LOG2E
+    lse = tl.load(lse_ptr + safe_rows)
     dy = dy.to(DOT_DTYPE)
-    row_in = rows < N
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = (ks < K) | EVEN_K
         t = tl.load(table_ptr + ks[:, None] * D + ds[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
         dy_t = tl.dot(dy, tl.trans(t.to(DOT_DTYPE)), input_precision="tf32x3")  # (BLOCK_M, BLOCK_K)
         s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0)
-        p = tl.exp2(s.to(tl.float32) * LOG2E - lse2[:, None])
-        grad = p * (dy_t - delta[:, None])
-        mask = row_in[:, None] & k_in[None, :]
-        offs = rows.to(tl.int64)[:, None] * K + ks[None, :]
-        tl.store(grad_logits_ptr + offs, grad, mask=mask)
-        if STORE_P:
-            tl.store(p_ptr + offs, p.to(DOT_DTYPE), mask=mask)
+        _store_dlogits(grad_logits_ptr, p_ptr, s, lse, dy_t, delta, rows, ks, k_in, N, K, STORE_P, DOT_DTYPE)
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
