@@ -187,7 +187,7 @@ GOAL_FRACTION = 0.85
 
 
 def _maker(make, backend: str, variants: dict):
-    """A fresh (fn, setup) for ``backend``, as the timing loop built it."""
+    """A builder of a fresh (fn, setup) for ``backend``: a variant runs the compiled op under its environment."""
     def build():
         fn, setup = make("compiled" if backend in variants else backend)
         return (_under(fn, variants[backend]) if backend in variants else fn), setup
@@ -220,16 +220,13 @@ def run(ctx: Context) -> list[Result]:
         timings: dict = {}  # backend -> (Timing, how it was timed)
         variants = {name: env for name, (where, env) in VARIANTS.items()
                     if where == f"{op} {case}" and ctx.device.type == "cuda"}
-        for backend in ("reference", "compiled", *variants):
-            if not ctx.wants(backend) and backend != "reference":
-                continue
-            fn, setup = make("compiled" if backend in variants else backend)
-            if backend in variants:
-                fn = _under(fn, variants[backend])
+        makers = {b: _maker(make, b, variants) for b in ("reference", "compiled", *variants)
+                  if b == "reference" or ctx.wants(b)}
+        for backend, build in makers.items():
+            fn, setup = build()
             t = measure(fn, ctx.device, setup=setup, **_reps(ctx))
             timings[backend] = with_graph_timing(fn, ctx.device, t, setup) if not ctx.quick else (t, {})
         timings, how = {b: t for b, (t, _) in timings.items()}, {b: h for b, (_, h) in timings.items()}
-        makers = {b: _maker(make, b, variants) for b in timings}
         same_copy_ms = equal_copy_ms(ctx.device, nbytes) if copy_bps else None
         draw_ms = randn_ms(ctx.device, drawn) if copy_bps and "drawn" in case else None
         for backend, t in timings.items():
