@@ -22,12 +22,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages) beyond _CONFIGS: bigger and deeper tiles
+_FIXED_MAX_EXTRA = [(64, 128, 256, 4, 2), (128, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 64, 256, 4, 2)]
 EXTRA = {
     "forward": [(128, 64, 256, 8, 2), (128, 128, 256, 8, 2), (64, 64, 256, 4, 4), (128, 64, 256, 4, 3),
                 (64, 32, 256, 4, 4), (128, 32, 256, 4, 4)],
     # VQLCMD_TRITON_FORWARD=first-tile / two-pass: no rescaling between products, so longer K tiles may pay
-    "forward_first_tile": [(64, 128, 256, 4, 2), (128, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 64, 256, 4, 2)],
-    "forward_two_pass": [(64, 128, 256, 4, 2), (128, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 64, 256, 4, 2)],
+    "forward_first_tile": _FIXED_MAX_EXTRA,
+    "forward_two_pass": _FIXED_MAX_EXTRA,
     "grad_logits": [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3),
                     (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
     # the mm backward's dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused) and writing P

@@ -35,8 +35,6 @@ interpreted = _is_interpreted()
 _MIN_BLOCK = 16
 # problems below this many logits (N*K) skip autotuning on a GPU
 _SMALL = 1 << 18
-# the fused backward holds a whole (BLOCK_K, D) dtable tile in registers; wider tables take the split kernels
-FUSED_MAX_D = 256
 # the fused backward's row splits are whole multiples of this (the largest BLOCK_M of its configs)
 SPLIT_ALIGN = 128
 # The chunked backward's per-chunk P (16-bit or float32) and dP (float32) are sized to stay in L2
@@ -253,24 +251,28 @@ def mm_rows(N: int, K: int, p_bytes: int) -> int:
     return min(N, max(SPLIT_ALIGN, MM_P_BYTES // (K * p_bytes) // SPLIT_ALIGN * SPLIT_ALIGN))
 
 
-# the rows dlogits kernel keeps whole rows of dY on chip
-ROWS_MAX_D = 256
+def _whole_rows_fit(name: str, D: int, dot) -> bool:
+    """Whether kernel ``name``, which keeps whole rows of width D on chip (its D tile is never tiled
+    further), serves this table width and dot operand: it has configurations for the operand width
+    and D fits their widest D tile. The interpreter has no registers to spill, so there it runs for
+    every dtype (with the 16-bit configurations' bound) and the CPU tests cover its logic with float32
+    operands too."""
+    configs = _CONFIGS.get((name, 16 if interpreted else _width(dot)))
+    return configs is not None and D <= max(c[2] for c in configs)
 
 
 def rows_fit(D: int, dot) -> bool:
-    """Whether the rows dlogits kernel serves this table width and dot operand: D <= ROWS_MAX_D, and on
-    a GPU 16-bit operands (no float32 configurations: a tf32x3 dY block would take twice the registers
-    and shared memory). The interpreter runs it for every dtype, so the CPU tests cover its logic."""
-    return D <= ROWS_MAX_D and (interpreted or _width(dot) == 16)
+    """Whether the rows dlogits kernel serves this table width and dot operand: D <= 256, and on a GPU
+    16-bit operands (no float32 configurations: a tf32x3 dY block would take twice the registers and
+    shared memory)."""
+    return _whole_rows_fit("grad_logits_rows", D, dot)
 
 
 def fused_fits(D: int, dot) -> bool:
-    """Whether the fused backward has configurations for this width of table and dot operand.
-
-    The interpreter has no registers to spill, so there it runs for every dtype and the CPU tests
-    cover its logic with float32 operands too.
-    """
-    return D <= FUSED_MAX_D and (interpreted or _width(dot) == 16)
+    """Whether the fused backward, which holds a whole (BLOCK_K, D) dtable tile in registers, has
+    configurations for this width of table and dot operand (D <= 256, 16-bit operands on a GPU); wider
+    tables take the split kernels."""
+    return _whole_rows_fit("fused_backward", D, dot)
 
 
 def fused_splits(N: int) -> int:
