@@ -36,6 +36,15 @@ for _op in OPS:
     register(_op, "reference", getattr(reference, _op), priority=lambda device: -1)
 
 
+def _resolve_for_ids(op: str, backend: str, tokens: torch.Tensor, table: torch.Tensor, like: torch.Tensor):
+    """The implementation of a token-id op for ``backend`` (resolved on ``like``'s device and dtype), with the
+    ids' range checked first unless the implementation checks each id itself (``checks_ids``)."""
+    impl = resolve_impl(op, backend, like, tokens)
+    if not impl.checks_ids:
+        _checks.check_token_range("tokens", tokens, table.shape[0])
+    return impl.fn
+
+
 def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """``softmax(logits) @ table``: logits (..., K), table (K, D) -> (..., D).
 
@@ -100,11 +109,8 @@ def noise_embeddings(
     Differentiable in ``table``; the result has ``table``'s dtype.
     """
     _checks.check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index)
-    impl = resolve_impl("noise_embeddings", backend, table, tokens)
-    if not impl.checks_ids:
-        _checks.check_token_range("tokens", tokens, table.shape[0])
-    return impl.fn(tokens, table, alpha, sigma, noise=noise, drop_mask=drop_mask, mask_index=mask_index,
-              generator=generator)
+    fn = _resolve_for_ids("noise_embeddings", backend, tokens, table, table)
+    return fn(tokens, table, alpha, sigma, noise=noise, drop_mask=drop_mask, mask_index=mask_index, generator=generator)
 
 
 def ddim_teacher_step(
@@ -124,10 +130,8 @@ def ddim_teacher_step(
     (the teacher is a fixed target).
     """
     _checks.check_ddim_inputs(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
-    impl = resolve_impl("ddim_teacher_step", backend, z_t, tokens)
-    if not impl.checks_ids:
-        _checks.check_token_range("tokens", tokens, table.shape[0])
-    return impl.fn(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
+    fn = _resolve_for_ids("ddim_teacher_step", backend, tokens, table, z_t)
+    return fn(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
 
 
 def gelu_tanh(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
