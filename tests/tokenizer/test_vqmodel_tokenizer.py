@@ -45,6 +45,23 @@ def test_identifier_is_stable_and_tracks_weights(folder, tmp_path):
     assert load_tokenizer(tmp_path / "other").identifier != a.identifier
 
 
+def test_loading_logs_no_warning(folder):
+    """diffusers warns at every load without accelerate (optional here) unless told not to try it;
+    the quick start loads the tokenizer several times and printed that warning each time."""
+    import logging
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        load_tokenizer(folder)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+
+
 def test_missing_and_wrong_folders(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer folder .*nowhere.* does not exist"):
         load_tokenizer(tmp_path / "nowhere")

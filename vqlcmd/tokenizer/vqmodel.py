@@ -90,7 +90,13 @@ def load_vqmodel(path: str | os.PathLike):
     cls = json.loads((folder / "config.json").read_text()).get("_class_name", "VQModel")
     if cls != "VQModel":
         raise ValueError(f"tokenizer folder {str(folder)!r} holds a {cls}, not a VQModel")
-    return VQModel.from_pretrained(str(folder), local_files_only=True)
+    # diffusers defaults to its accelerate-based lazy init and, without accelerate (an optional
+    # dependency here), warns on every load before falling back; asking only for what is
+    # installed loads the same weights without the warning.
+    from diffusers.utils import is_accelerate_available
+
+    return VQModel.from_pretrained(str(folder), local_files_only=True,
+                                   low_cpu_mem_usage=is_accelerate_available())
 
 
 def load_tokenizer(path: str | os.PathLike, device="cpu") -> VQModelTokenizer:
