@@ -179,6 +179,13 @@ def _forward_kernel(
 
 
 @triton.jit
+def _finite_reference(m):
+    """The fixed-max sweep's per-row reference from row maxima m: a row of -inf logits (all classes
+    masked) takes 0, so that it gets exp2(-inf) = 0 everywhere, as in the one-pass kernel."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
 def _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance, m_ref, m_seen,
                      GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, TRACK: tl.constexpr,
                      EVICT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -230,21 +237,20 @@ def _forward_fixed_max_kernel(
             k_in = (ks < K) | EVEN_K
             s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "evict_last")
             m_seen = tl.maximum(m_seen, tl.max(s, 1))
-        # a row of -inf logits (all classes masked) gets exp2(-inf) = 0 everywhere, as in the one-pass kernel
-        m_ref = tl.where(m_seen == float("-inf"), 0.0, m_seen)
+        m_ref = _finite_reference(m_seen)
         m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance,
                                             m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False, "evict_first",
                                             BLOCK_M, BLOCK_K, BLOCK_D)
     else:
         ks = tl.arange(0, BLOCK_K)
         k_in = (ks < K) | EVEN_K
-        m_ref = tl.max(_score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, ""), 1)
-        m_ref = tl.where(m_ref == float("-inf"), 0.0, m_ref)
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "")
+        m_ref = _finite_reference(tl.max(s, 1))
         m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance,
                                             m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, True, "",
                                             BLOCK_M, BLOCK_K, BLOCK_D)
         if tl.max(m_seen - m_ref, 0) > MAX_GAP:  # exp(s − m_ref) may have overflowed: sweep from the maxima
-            m_ref = tl.where(m_seen == float("-inf"), 0.0, m_seen)
+            m_ref = _finite_reference(m_seen)
             m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D,
                                                 guidance, m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False, "",
                                                 BLOCK_M, BLOCK_K, BLOCK_D)
