@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from vqlcmd.engine.config import load_config
+from vqlcmd.engine.config import ConfigError, load_config
 from vqlcmd.engine.trainer import NonFiniteLossError, Trainer
 from vqlcmd.pipeline import VQLCMDPipeline
 
@@ -91,3 +91,23 @@ def test_interval_grids_use_grid_steps(tmp_path, tiny_shards, trainer, monkeypat
     tr.cfg.sample.grid_steps = 3
     tr.save_sample_grid()
     assert calls == [tr.cfg.sample.num_steps, 3]
+
+
+def test_auto_precision_is_resolved_and_recorded(tmp_path, tiny_shards, make_config, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": False, "amx_bf16": False})
+    path = make_config(tmp_path, tiny_shards, steps=1)
+    path.write_text(path.read_text().replace('"zero_optimization"', '"bf16": {"enabled": "auto"}, "zero_optimization"'))
+    ds, cfg = load_config(str(path))
+    tr = Trainer(ds, cfg, log=lambda *a, **k: None)
+    assert tr.bf16 is False and tr.net.embedding.weight.dtype == torch.float32
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["bf16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("first, then", [(False, True), (True, False)])
+def test_resume_in_another_precision_is_refused(tmp_path, tiny_shards, make_config, first, then):
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2, checkpoint_every=2)))
+    Trainer({**ds, "bf16": {"enabled": first}}, cfg, log=lambda *a, **k: None).train(progress=False)
+    name = {True: "bf16", False: "fp32"}
+    with pytest.raises(ConfigError, match=f"trained in {name[first]} but this run trains in {name[then]}; "
+                                          f"set bf16.enabled to {str(first).lower()}"):
+        Trainer({**ds, "bf16": {"enabled": then}}, cfg, log=lambda *a, **k: None).train(progress=False)

@@ -195,6 +195,9 @@ def check_deepspeed_section(ds: dict, path) -> None:
         )
     if ds.get("fp16", {}).get("enabled"):
         raise ConfigError(f"{path}: fp16 training is not supported; use bf16 (or fp32)")
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    if not (isinstance(bf16, bool) or bf16 == "auto"):  # resolved by vqlcmd.engine.precision
+        raise ConfigError(f'{path}: bf16.enabled must be true, false or "auto", got {bf16!r}')
 
 
 def repo_path(p: Optional[str]) -> Optional[Path]:

@@ -29,6 +29,7 @@ from .data import resolve_shards
 from .distributed import barrier, init_distributed, max_over_ranks
 from .host_memory import keep_freed_memory
 from .optim import build_optimizer, build_scheduler
+from .precision import resolve_bf16
 
 
 class NonFiniteLossError(RuntimeError):
@@ -97,7 +98,9 @@ class Trainer:
         ds.setdefault("zero_allow_untested_optimizer", True)  # torch AdamW as the client optimizer
         ds.setdefault("steps_per_print", 10**9)  # our own logging
         self.micro, self.gas = micro, gas
-        self.bf16 = bool(ds.get("bf16", {}).get("enabled", False))
+        # DeepSpeed takes a bool: "auto" becomes one here, and the run's config records which
+        self.bf16, bf16_why = resolve_bf16(ds.get("bf16", {}).get("enabled", False), self.device)
+        ds["bf16"] = {**ds.get("bf16", {}), "enabled": self.bf16}
 
         # ---- model, EMAs, optimizer -------------------------------------------------------------
         torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
@@ -130,7 +133,7 @@ class Trainer:
                  f"{cfg.model.preset}, method {cfg.method}, K={den_cfg.codebook_size} M={den_cfg.seq_len} "
                  f"D={den_cfg.embed_dim}, "
                  f"{self.world} rank(s) x micro-batch {micro} x accumulation {gas}, ZeRO stage "
-                 f"{ds.get('zero_optimization', {}).get('stage', 0)}, {'bf16' if self.bf16 else 'fp32'}, "
+                 f"{ds.get('zero_optimization', {}).get('stage', 0)}, {'bf16' if self.bf16 else 'fp32'} ({bf16_why}), "
                  f"attention {attn}, device {self.device}")
         self.tb = None
         if self.rank == 0:
@@ -321,10 +324,23 @@ class Trainer:
             self.log(f"step {self.step}: checkpoint -> {final}; pipeline -> {self.out_dir / 'pipeline'}")
         barrier()
 
+    def _check_checkpoint_precision(self, folder: Path) -> None:
+        """DeepSpeed keeps bf16 and fp32 optimizer state in different layouts and fails on a mix with a
+        missing-file error; "auto" may also resolve differently on another machine, so say which."""
+        saved = folder / "config.json"
+        if not saved.is_file():
+            return
+        was = bool(json.loads(saved.read_text()).get("bf16", {}).get("enabled", False))
+        if was != self.bf16:
+            name = {True: "bf16", False: "fp32"}
+            raise ConfigError(f"{folder} was trained in {name[was]} but this run trains in {name[self.bf16]}; "
+                              f"set bf16.enabled to {str(was).lower()} in the config to resume it")
+
     def load(self) -> bool:
         tag = ckpt.latest_tag(self.ckpt_dir)
         if tag is None:
             return False
+        self._check_checkpoint_precision(self.ckpt_dir / tag)
         _, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
         if client is None:
             raise RuntimeError(f"checkpoint {self.ckpt_dir / tag} could not be loaded")
