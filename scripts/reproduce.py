@@ -80,6 +80,14 @@ def _set(section: dict, dotted: str, value) -> None:
     section[last] = value
 
 
+def _budget(args) -> tuple:
+    return args.steps, args.batch, args.bf16
+
+
+def _record_budget(r: dict) -> tuple:
+    return r["train_steps"], r["batch"], r.get("bf16", False)  # records before the bf16 field were fp32
+
+
 def row_config(row: str, seed: int, args):
     """(DeepSpeed dict, VQLCMDConfig) of one run: the base config, the row's switches, the budget."""
     ds, base = load_config(args.config)
@@ -99,12 +107,12 @@ def row_config(row: str, seed: int, args):
         _set(section, "schedule.shift", args.ns_shift)
     for key, value in ROWS[row][1].items():
         _set(section, key, value)
-    run_dir = args.out / "runs" / row / f"seed{seed}-steps{args.steps}-batch{args.batch}"
+    run_dir = args.out / "runs" / row / f"seed{seed}-steps{args.steps}-batch{args.batch}{'-bf16' if args.bf16 else ''}"
     for key, value in {"train.steps": args.steps, "train.seed": seed, "train.output_dir": str(run_dir.resolve()),
                        "train.sample_every": 0, "train.checkpoint_every": args.checkpoint_every,
                        "train.log_every": max(1, min(50, args.steps)), "train.keep_checkpoints": 1}.items():
         _set(section, key, value)
-    ds = dict(ds, train_micro_batch_size_per_gpu=args.batch)
+    ds = dict(ds, train_micro_batch_size_per_gpu=args.batch, bf16={**ds.get("bf16", {}), "enabled": args.bf16})
     ds.pop("train_batch_size", None)
     return ds, parse_vqlcmd_section(section), run_dir
 
@@ -138,7 +146,7 @@ def pending_evals(row: str, seed: int, args, done) -> list[tuple]:
               "maskgit" if method == "maskgit" else "ancestral")]
     if row in FEW_STEP_ROWS and not args.no_few_steps:
         evals += [("few_steps", n, "maskgit" if method == "maskgit" else "ddim") for n in args.few_steps]
-    return [e for e in evals if (row, seed, args.steps, args.batch, *e) not in done]
+    return [e for e in evals if (row, seed, *_budget(args), *e) not in done]
 
 
 def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
@@ -160,7 +168,8 @@ def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
     records = []
     for kind, steps, sampler in todo:
         metrics = evaluate(pipe, method, steps, sampler, seed, args)
-        rec = {"row": row, "seed": seed, "train_steps": args.steps, "batch": args.batch, "kind": kind,
+        rec = {"row": row, "seed": seed, "train_steps": args.steps, "batch": args.batch, "bf16": args.bf16,
+               "kind": kind,
                "sample_steps": steps, "sampler": sampler, "method": method,
                "guidance": pipe.sample_defaults.get("guidance_scale"), "train_seconds": round(train_s, 1),
                "final_losses": last, **metrics}
@@ -226,7 +235,7 @@ def _fmt(values, digits: int) -> str:
 def write_tables(records: list[dict], args, header: str) -> str:
     from vqlcmd.metrics.digits import real_reference
 
-    main = [r for r in records if r["kind"] == "main" and r["train_steps"] == args.steps and r["batch"] == args.batch]
+    main = [r for r in records if r["kind"] == "main" and _record_budget(r) == _budget(args)]
     lines = [header, ""]
     for title, paper, rows in TABLES:
         present = [(row, label) for row, label in rows if any(r["row"] == row for r in main)]
@@ -241,8 +250,7 @@ def write_tables(records: list[dict], args, header: str) -> str:
             cells = [_fmt(_finite([r.get(k) for r in rs]), d) for k, _, d in METRICS]
             lines.append(f"| {label or ROWS[row][0]} | {len(rs)} | {sampler} | " + " | ".join(cells) + " |")
         lines.append("")
-    few = [r for r in records if r["kind"] == "few_steps" and r["train_steps"] == args.steps
-           and r["batch"] == args.batch]
+    few = [r for r in records if r["kind"] == "few_steps" and _record_budget(r) == _budget(args)]
     if few:
         steps = sorted({r["sample_steps"] for r in few})
         lines += ["### Few sampling steps (cf. paper Table \"maskgit:imagenet\"): FID ↓ / accuracy ↑", "",
@@ -270,8 +278,7 @@ def plot_few_steps(records: list[dict], args, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    few = [r for r in records if r["kind"] == "few_steps" and r["train_steps"] == args.steps
-           and r["batch"] == args.batch]
+    few = [r for r in records if r["kind"] == "few_steps" and _record_budget(r) == _budget(args)]
     if not few:
         return False
     steps = sorted({r["sample_steps"] for r in few})
@@ -306,6 +313,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3000, help="training steps per run (the budget)")
     p.add_argument("--batch", type=int, default=64, help="micro-batch per step")
     p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--bf16", choices=["false", "true", "auto"], default="false",
+                   help="train in bf16 (auto: where the device has native bf16, see vqlcmd/engine/precision.py); "
+                        "default fp32, as the committed records in docs/ were measured, whatever the base config says")
     p.add_argument("--ns-shift", type=float, default=-1.0,
                    help="schedule shift of the VQ-LCMD rows (the paper's NS; 'w/o NS' uses 0)")
     p.add_argument("--per-class", type=int, default=50, help="samples per class for each evaluation")
@@ -335,6 +345,10 @@ def main(argv=None) -> int:
         args.main_steps, args.main_steps_maskgit, args.few_steps = 4, 2, [1, 2, 4]
     if args.threads:
         torch.set_num_threads(args.threads)
+    from vqlcmd.engine.precision import resolve_bf16
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Trainer's choice
+    args.bf16 = resolve_bf16({"false": False, "true": True, "auto": "auto"}[args.bf16], device)[0]
     args.out.mkdir(parents=True, exist_ok=True)
     args.data = None
     if args.digits_size is not None and not args.report_only:
@@ -350,8 +364,7 @@ def main(argv=None) -> int:
     results = args.out / "results.jsonl"
     records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()] \
         if results.is_file() else []
-    done = {(r["row"], r["seed"], r["train_steps"], r["batch"], r["kind"], r["sample_steps"], r["sampler"])
-            for r in records}
+    done = {(r["row"], r["seed"], *_record_budget(r), r["kind"], r["sample_steps"], r["sampler"]) for r in records}
 
     def log(msg):
         print(msg, flush=True)
@@ -371,7 +384,8 @@ def main(argv=None) -> int:
     ds, base = load_config(args.config)
     sizes = {r.get("image_size") for r in records if r.get("image_size")}
     args.image_size = sizes.pop() if len(sizes) == 1 else 32
-    header = (f"Budget: {args.steps} training steps x batch {args.batch} per run, seeds {args.seeds}, "
+    header = (f"Budget: {args.steps} training steps x batch {args.batch} per run in {'bf16' if args.bf16 else 'fp32'}, "
+              f"seeds {args.seeds}, "
               f"{args.per_class} samples per class per evaluation, guidance ω = {base.sample.guidance_scale}, "
               f"VQ-LCMD shift {args.ns_shift}; base config {args.config}, preset {base.model.preset}"
               f"{' with ' + json.dumps(args.model_overrides) if args.model_overrides else ''}"

@@ -57,3 +57,13 @@ def test_reproduce_parallel_jobs_and_time_limit(tiny_config, tmp_path):
     assert "1 runs not started" in line and "no_cm" not in line, line
     assert len((out / "results.jsonl").read_text().splitlines()) == len(records)
     assert "VQ-LCMD w/o L_CM" in (out / "tables.md").read_text()
+    assert all(r["bf16"] is False for r in records) and "per run in fp32" in (out / "tables.md").read_text()
+    # the precision is part of a record's budget: a bf16 run of a finished fp32 row trains anew, apart
+    bf16 = subprocess.run(base + ["--rows", "vqlcmd", "--bf16", "true"], capture_output=True, text=True, timeout=300)
+    assert bf16.returncode == 0, bf16.stderr[-3000:]
+    after = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["bf16"]) for r in after[len(records):]] == [("vqlcmd", True)]
+    assert sorted(p.name for p in (out / "runs" / "vqlcmd").iterdir()) == ["seed0-steps2-batch8",
+                                                                         "seed0-steps2-batch8-bf16"]
+    tables = (out / "tables.md").read_text()
+    assert "per run in bf16" in tables and "VQ-LCMD w/o L_CM" not in tables  # the fp32 rows are another budget
