@@ -64,7 +64,7 @@ step bench 120 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
 launcher=("$py" scripts/train.py)
 command -v deepspeed >/dev/null && launcher=(deepspeed --num_gpus 1 scripts/train.py)
 run_dir=$(mktemp -d)/digits  # checkpoints and weights stay out of OUT_DIR; the report and grid are copied
-step quickstart 150 "${launcher[@]}" --config ds_digits.json --evaluate --no-progress \
+step quickstart 180 "${launcher[@]}" --config ds_digits.json --evaluate --no-progress \
   --set train.output_dir="$run_dir"
 cp "$run_dir/report.json" "$out/quickstart-report.json" 2>/dev/null
 cp "$run_dir/samples/final.png" "$out/quickstart-samples.png" 2>/dev/null
