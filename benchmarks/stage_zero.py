@@ -3,7 +3,10 @@
 One process, one rank: the stage sets up a 1-rank process group (gloo on CPU,
 nccl on CUDA) and calls ``deepspeed.initialize`` once per ZeRO stage on a fresh
 copy of the step of ``stage_train_step`` (same seed, data, losses, clipping,
-teacher EMA). With one rank nothing is partitioned across ranks, so this measures
+teacher EMA). On a CPU with native bf16 (AVX512-BF16 / AMX-BF16, where ``bf16.enabled:
+"auto"`` trains in bf16, as the quick start does) ``zero2-bf16`` adds DeepSpeed's bf16 mode
+at stage 2, without autocast as the engine runs it: its ratio to ``zero2`` is what the
+precision buys. With one rank nothing is partitioned across ranks, so this measures
 what each stage's machinery costs on top of the step (gradient bucketing,
 flattened fp32 partitions, hooks), not the memory it saves with several ranks;
 ``zero0`` is the baseline. The optimizer is torch's AdamW handed to DeepSpeed as a
@@ -21,6 +24,7 @@ import torch
 from benchmarks.harness import Context, Skip, StageSkipped, describe_error, run_case
 from benchmarks.stage_train_step import GRAD_CLIP, Training, build_training, step_figures
 from vqlcmd.engine.distributed import free_port
+from vqlcmd.engine.precision import cpu_has_native_bf16
 
 STAGE = "zero"
 BASELINE = "zero0"
@@ -84,18 +88,24 @@ def _cases(ctx: Context) -> list[tuple[str, int, dict]]:
     return [("digits-1m", 64, dict(warmup=1, reps=5))]
 
 
+def _variants(ctx: Context) -> list[tuple[str, int, bool, bool]]:
+    """(backend name, ZeRO stage, DeepSpeed bf16, autocast) of each measured engine."""
+    if ctx.is_cuda:
+        # autocast as well: the fp32 EMA teacher then takes the bf16 activations of the engine's model
+        return [(f"zero{stage}", stage, True, True) for stage in ZERO_STAGES]
+    cpu = [(f"zero{stage}", stage, False, False) for stage in ZERO_STAGES]
+    return cpu + ([("zero2-bf16", 2, True, False)] if cpu_has_native_bf16() else [])
+
+
 def run(ctx: Context) -> list:
     out: list = []
-    bf16 = ctx.is_cuda
     with _one_rank_deepspeed(ctx.device) as deepspeed:
         for preset, B, reps in _cases(ctx):
-            for stage in ZERO_STAGES:
-                name = f"zero{stage}"
+            for name, stage, bf16, amp in _variants(ctx):
                 if not ctx.wants(name, baseline=name == BASELINE):
                     continue
-                # autocast as well: the fp32 EMA teacher then takes the bf16 activations of the engine's model
                 tr = build_training(preset, B, ctx.device, ops_backend="auto", attention_backend="auto",
-                                    amp_dtype=torch.bfloat16 if bf16 else None)
+                                    amp_dtype=torch.bfloat16 if amp else None)
                 module = _LossModule(tr)
                 config = {
                     "train_micro_batch_size_per_gpu": B,

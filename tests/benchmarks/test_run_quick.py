@@ -85,6 +85,10 @@ def test_core_stages_measure_their_baseline_and_do_not_fail(quick_run):
         assert any(r["speedup"] is not None and r["backend"] != r["baseline"] for r in ok)
     zero = [r for r in rows if r["stage"] == "zero"]
     assert zero and all(r["status"] in ("ok", "skipped") for r in zero)
+    from vqlcmd.engine.precision import cpu_has_native_bf16
+
+    if cpu_has_native_bf16():  # DeepSpeed's bf16 mode, as bf16.enabled "auto" trains on this CPU
+        assert [r["dtype"] for r in zero if r["backend"] == "zero2-bf16" and r["status"] == "ok"] == ["bf16"]
     train = [r for r in rows if r["stage"] == "train_step" and r["status"] == "ok"]
     assert all({"images/s", "tokens/s", "GFLOP/step"} <= set(r["extra"]) for r in train)
 
