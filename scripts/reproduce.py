@@ -107,7 +107,8 @@ def row_config(row: str, seed: int, args):
         _set(section, "schedule.shift", args.ns_shift)
     for key, value in ROWS[row][1].items():
         _set(section, key, value)
-    run_dir = args.out / "runs" / row / f"seed{seed}-steps{args.steps}-batch{args.batch}{'-bf16' if args.bf16 else ''}"
+    precision = "-bf16" if args.bf16 else ""
+    run_dir = args.out / "runs" / row / f"seed{seed}-steps{args.steps}-batch{args.batch}{precision}"
     for key, value in {"train.steps": args.steps, "train.seed": seed, "train.output_dir": str(run_dir.resolve()),
                        "train.sample_every": 0, "train.checkpoint_every": args.checkpoint_every,
                        "train.log_every": max(1, min(50, args.steps)), "train.keep_checkpoints": 1}.items():
@@ -169,8 +170,7 @@ def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
     for kind, steps, sampler in todo:
         metrics = evaluate(pipe, method, steps, sampler, seed, args)
         rec = {"row": row, "seed": seed, "train_steps": args.steps, "batch": args.batch, "bf16": args.bf16,
-               "kind": kind,
-               "sample_steps": steps, "sampler": sampler, "method": method,
+               "kind": kind, "sample_steps": steps, "sampler": sampler, "method": method,
                "guidance": pipe.sample_defaults.get("guidance_scale"), "train_seconds": round(train_s, 1),
                "final_losses": last, **metrics}
         records.append(rec)
@@ -384,8 +384,8 @@ def main(argv=None) -> int:
     ds, base = load_config(args.config)
     sizes = {r.get("image_size") for r in records if r.get("image_size")}
     args.image_size = sizes.pop() if len(sizes) == 1 else 32
-    header = (f"Budget: {args.steps} training steps x batch {args.batch} per run in {'bf16' if args.bf16 else 'fp32'}, "
-              f"seeds {args.seeds}, "
+    header = (f"Budget: {args.steps} training steps x batch {args.batch} per run in "
+              f"{'bf16' if args.bf16 else 'fp32'}, seeds {args.seeds}, "
               f"{args.per_class} samples per class per evaluation, guidance ω = {base.sample.guidance_scale}, "
               f"VQ-LCMD shift {args.ns_shift}; base config {args.config}, preset {base.model.preset}"
               f"{' with ' + json.dumps(args.model_overrides) if args.model_overrides else ''}"
