@@ -27,8 +27,10 @@ from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section 
 
 def _set(section: dict, dotted: str, value: str) -> None:
     *path, last = dotted.split(".")
-    for key in path:
+    for i, key in enumerate(path):
         section = section.setdefault(key, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"--set {dotted}: {'.'.join(path[:i + 1])} is not a section")
     try:
         section[last] = json.loads(value)
     except json.JSONDecodeError:
@@ -51,21 +53,27 @@ def main(argv=None) -> int:
         if args.set:
             section = cfg.to_dict()
             for item in args.set:
-                key, _, value = item.partition("=")
+                key, eq, value = item.partition("=")
+                if not eq or not key:
+                    raise ConfigError(f"--set takes KEY=VALUE (a JSON value), got {item!r}")
                 _set(section, key, value)
             cfg = parse_vqlcmd_section(section)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    from vqlcmd.engine.checkpoint import CheckpointError
     from vqlcmd.engine.trainer import Trainer
 
     try:
         trainer = Trainer(ds_config, cfg)
+        trainer.train(progress=not args.no_progress)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    trainer.train(progress=not args.no_progress)
+    except CheckpointError as exc:
+        print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 2
     if args.evaluate and trainer.rank == 0:
         from vqlcmd.engine.report import final_report
 

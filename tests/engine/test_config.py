@@ -67,5 +67,75 @@ def test_sample_steps_must_be_positive_integers():
     with pytest.raises(ConfigError, match="grid_steps must be a positive integer"):
         parse_vqlcmd_section({"sample": {"grid_steps": 0}})
     with pytest.raises(ConfigError, match="num_steps must be a positive integer"):
+        parse_vqlcmd_section({"sample": {"num_steps": 0}})
+    with pytest.raises(ConfigError, match="num_steps must be an integer"):
         parse_vqlcmd_section({"sample": {"num_steps": "50"}})
     assert parse_vqlcmd_section({"sample": {"grid_steps": 10}}).sample.grid_steps == 10
+
+
+@pytest.mark.parametrize("section, message", [
+    # a string for a bool was true to the dataclass: --set train.resume=False kept resuming
+    ({"train": {"resume": "False"}}, r"vqlcmd\.train\.resume must be true or false \(JSON, lower case\), got 'False'"),
+    ({"embedding": {"frozen": "false"}}, r"vqlcmd\.embedding\.frozen must be true or false"),
+    ({"train": {"steps": "abc"}}, r"vqlcmd\.train\.steps must be an integer, got 'abc'"),
+    ({"train": {"steps": 20.5}}, r"vqlcmd\.train\.steps must be an integer, got 20\.5"),
+    ({"train": {"seed": True}}, r"vqlcmd\.train\.seed must be an integer, got True"),
+    ({"schedule": {"shift": "abc"}}, r"vqlcmd\.schedule\.shift must be a finite number"),
+    ({"loss": {"beta_cm": float("nan")}}, r"vqlcmd\.loss\.beta_cm must be a finite number, got nan"),
+    ({"train": {"output_dir": 123}}, r"vqlcmd\.train\.output_dir must be a string, got 123"),
+    ({"data": {"shards": 5}}, r"vqlcmd\.data\.shards must be a string, got 5"),
+    ({"optimizer": {"betas": 0.9}}, r"vqlcmd\.optimizer\.betas must be a list of numbers, got 0\.9"),
+    ({"model": {"overrides": [1]}}, r"vqlcmd\.model\.overrides must be a JSON object"),
+])
+def test_values_have_their_fields_types(section, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_vqlcmd_section(section)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"train": {"steps": -5}}, r"vqlcmd\.train: steps must be a positive integer, got -5"),
+    ({"train": {"log_every": 0}}, r"log_every must be a positive integer"),
+    ({"train": {"checkpoint_every": -1}}, r"checkpoint_every must be a non-negative integer \(0: off\)"),
+    ({"train": {"keep_checkpoints": -1}}, r"keep_checkpoints must be a non-negative integer \(0: keep all\)"),
+    ({"optimizer": {"lr": -1}}, r"vqlcmd\.optimizer: lr must be positive, got -1\.0"),
+    ({"optimizer": {"betas": [0.9, 1.0]}}, r"betas must be two numbers in \[0, 1\)"),
+    ({"optimizer": {"betas": [0.9]}}, r"betas must be two numbers in \[0, 1\)"),
+    ({"optimizer": {"min_lr_ratio": 2}}, r"min_lr_ratio must be in \[0, 1\]"),
+    ({"ema": {"teacher": 2}}, r"vqlcmd\.ema: teacher must be in \[0, 1\], got 2\.0"),
+    ({"schedule": {"t_min": 0}}, r"t_min must be in \(0, 1\)"),
+    ({"sample": {"guidance_scale": -1}}, r"guidance_scale must be non-negative"),
+    ({"data": {"tokenizer_steps": 0}}, r"tokenizer_steps must be a positive integer"),
+])
+def test_values_out_of_range_are_named(section, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_vqlcmd_section(section)
+
+
+def test_json_numbers_and_lists_are_converted():
+    cfg = parse_vqlcmd_section({"schedule": {"shift": 1}, "optimizer": {"betas": [0.5, 0.9]},
+                                "data": {"shards": None}, "sample": {"grid_steps": None}})
+    assert cfg.schedule.shift == 1.0 and isinstance(cfg.schedule.shift, float)
+    assert cfg.optimizer.betas == (0.5, 0.9)
+    assert cfg.data.shards is None and cfg.sample.grid_steps is None
+
+
+def test_cli_set_needs_a_typed_key_value(tmp_path, tiny_shards, make_config):
+    cfg = make_config(tmp_path, tiny_shards)
+    python_bool = _run_train(cfg, "--set", "train.resume=False")
+    assert python_bool.returncode == 2 and "vqlcmd.train.resume must be true or false" in python_bool.stderr
+    no_value = _run_train(cfg, "--set", "train.steps")
+    assert no_value.returncode == 2 and "--set takes KEY=VALUE (a JSON value), got 'train.steps'" in no_value.stderr
+    not_a_section = _run_train(cfg, "--set", "train.steps.x=1")
+    assert not_a_section.returncode == 2 and "train.steps is not a section" in not_a_section.stderr
+
+
+def test_cli_names_a_damaged_checkpoint(tmp_path, tiny_shards, make_config):
+    cfg = make_config(tmp_path, tiny_shards, steps=2)
+    assert _run_train(cfg).returncode == 0
+    (states,) = (tmp_path / "run" / "checkpoints" / "step_0000002").glob("*model_states.pt")
+    states.write_bytes(b"")
+    damaged = _run_train(cfg, "--set", "train.steps=3")
+    assert damaged.returncode == 2, damaged.stderr[-2000:]
+    assert "checkpoint error: cannot resume from" in damaged.stderr and "step_0000002" in damaged.stderr
+    fresh = _run_train(cfg, "--set", "train.resume=false")
+    assert fresh.returncode == 2 and "config error: train.resume is false but" in fresh.stderr

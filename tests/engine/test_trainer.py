@@ -111,3 +111,64 @@ def test_resume_in_another_precision_is_refused(tmp_path, tiny_shards, make_conf
     with pytest.raises(ConfigError, match=f"trained in {name[first]} but this run trains in {name[then]}; "
                                           f"set bf16.enabled to {str(first).lower()}"):
         Trainer({**ds, "bf16": {"enabled": then}}, cfg, log=lambda *a, **k: None).train(progress=False)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["bf16"]["enabled"] is first  # not overwritten
+
+
+def _folders(path):
+    return sorted(p.name for p in path.iterdir())
+
+
+def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path, tiny_shards, trainer):
+    trainer(tmp_path, tiny_shards, steps=4, checkpoint_every=2).train(progress=False)
+    ck = tmp_path / "run" / "checkpoints"
+    before, config = _folders(ck), (tmp_path / "run" / "config.json").read_text()
+    # before, such a run wrote step_0000002 beside the old step_0000004, pruned its own by step number and
+    # left `latest` naming a folder that no longer existed
+    with pytest.raises(ConfigError, match=r"train\.resume is false but .*checkpoints holds an earlier run's "
+                                          r"checkpoints \(latest step_0000004\); choose another train\.output_dir"):
+        trainer(tmp_path, tiny_shards, steps=2, resume=False)
+    assert _folders(ck) == before and (tmp_path / "run" / "config.json").read_text() == config
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model": {"preset": "tiny", "overrides": {"depth": 1}}}, r"vqlcmd\.model = .* but this run has .*\"depth\": 1"),
+    ({"embedding": {"frozen": True}}, r"vqlcmd\.embedding = \{\"frozen\": false"),
+    ({"micro": 4}, r"train_micro_batch_size_per_gpu=8 but this run has 4"),
+])
+def test_resume_with_another_setup_is_refused_up_front(tmp_path, tiny_shards, make_config, change, match):
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2)))
+    Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)
+    section = cfg.to_dict()
+    section.update({k: v for k, v in change.items() if k != "micro"})
+    from vqlcmd.engine.config import parse_vqlcmd_section
+
+    ds2 = {**ds, "train_micro_batch_size_per_gpu": change.get("micro", 8)}
+    with pytest.raises(ConfigError, match=match):
+        Trainer(ds2, parse_vqlcmd_section(section), log=lambda *a, **k: None)
+
+
+def test_same_model_spelled_differently_still_resumes(tmp_path, tiny_shards, make_config):
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2)))
+    Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)
+    from vqlcmd.engine.config import parse_vqlcmd_section
+
+    section = cfg.to_dict()
+    section["model"]["overrides"] = {"depth": 2}  # the tiny preset's own depth
+    section["train"]["steps"] = 3
+    history = Trainer(ds, parse_vqlcmd_section(section), log=lambda *a, **k: None).train(progress=False)
+    assert [h["step"] for h in history] == [3]
+
+
+def test_damaged_checkpoint_names_itself_and_the_way_back(tmp_path, tiny_shards, trainer):
+    from vqlcmd.engine.checkpoint import CheckpointError
+
+    trainer(tmp_path, tiny_shards, steps=4, checkpoint_every=2).train(progress=False)
+    ck = tmp_path / "run" / "checkpoints"
+    (states,) = (ck / "step_0000004").glob("*model_states.pt")
+    states.write_bytes(states.read_bytes()[:100])  # truncated, as a full disk or a lost write leaves it
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*step_0000004: .*resume from the previous one "
+                                              r"\(step_0000002\) by moving .*step_0000004 away"):
+        trainer(tmp_path, tiny_shards, steps=6).train(progress=False)
+    (ck / "step_0000004").rename(tmp_path / "damaged")
+    history = trainer(tmp_path, tiny_shards, steps=6).train(progress=False)
+    assert [h["step"] for h in history] == [3, 4, 5, 6]

@@ -17,6 +17,18 @@ from typing import Optional
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that exists but cannot be resumed (truncated or corrupt files)."""
+
+
+def unreadable(folder: Path, why) -> str:
+    """The message of a checkpoint that cannot be read: which, why, and the way out."""
+    older = [p.name for p in complete_checkpoints(folder.parent) if p != folder]
+    out = (f"resume from the previous one ({older[-1]}) by moving {folder} away" if older else
+           "move it away to train afresh")
+    return f"cannot resume from {folder}: {why}. The checkpoint is damaged; {out}"
+
+
 def tag_for(step: int) -> str:
     return f"step_{step:07d}"
 
@@ -38,7 +50,10 @@ def commit(ckpt_dir: Path, step: int, keep: int) -> Path:
         shutil.rmtree(final)
     os.replace(partial, final)
     atomic_write_text(ckpt_dir / "latest", tag + "\n")
-    for old in complete_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
+    # keep the one just published and the newest keep - 1 others (keep = 0: all), even where an older run's
+    # checkpoints carry higher step numbers
+    others = [p for p in complete_checkpoints(ckpt_dir) if p != final]
+    for old in others[:max(0, len(others) - (keep - 1))] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_dir.glob("*.partial"):  # left by an earlier crash
         shutil.rmtree(stale, ignore_errors=True)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 from ..baselines import METHODS, CSDMConfig, MaskGITConfig, apply_method
 from ..diffusion import LossConfig
@@ -23,6 +25,15 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 class ConfigError(ValueError):
     pass
+
+
+def _require(section, rules: tuple[tuple[str, Callable[[Any], bool], str], ...]) -> None:
+    """Range checks of a section's fields (their types are checked by ``_build`` before): each rule is
+    (field, predicate, what the value must be); None values are skipped."""
+    for name, ok, what in rules:
+        value = getattr(section, name)
+        if value is not None and not ok(value):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 @dataclass
@@ -38,7 +49,9 @@ class DataSection:
     tokenizer_steps: int = 1000  # "digits" only: training steps of the small tokenizer (cached per value)
     shards: Optional[str] = None  # folder of token shards (relative paths: to the repository root)
     tokenizer: Optional[str] = None  # folder of the VQ tokenizer (for decoding sample grids)
-    num_workers: int = 0
+
+    def __post_init__(self):
+        _require(self, (("tokenizer_steps", lambda v: v >= 1, "a positive integer"),))
 
 
 @dataclass
@@ -52,11 +65,17 @@ class ScheduleSection:
     shift: float = 0.0
     t_min: float = 1e-4
 
+    def __post_init__(self):
+        _require(self, (("t_min", lambda v: 0.0 < v < 1.0, "in (0, 1)"),))
+
 
 @dataclass
 class EMASection:
     teacher: float = 0.99  # η of the consistency-matching teacher (paper)
     sampling: float = 0.999  # ours: slower EMA used by the exported pipeline
+
+    def __post_init__(self):
+        _require(self, tuple((name, lambda v: 0.0 <= v <= 1.0, "in [0, 1]") for name in ("teacher", "sampling")))
 
 
 @dataclass
@@ -69,6 +88,14 @@ class OptimizerSection:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     # "torch": torch.optim.AdamW (fused on CUDA, foreach on CPU); "apex": apex FusedAdam (optional install)
     impl: str = "torch"
+
+    def __post_init__(self):
+        _require(self, (("lr", lambda v: v > 0, "positive"),
+                        ("betas", lambda v: len(v) == 2 and all(0.0 <= b < 1.0 for b in v), "two numbers in [0, 1)"),
+                        ("weight_decay", lambda v: v >= 0, "non-negative"),
+                        ("eps", lambda v: v > 0, "positive"),
+                        ("warmup_steps", lambda v: v >= 0, "a non-negative integer"),
+                        ("min_lr_ratio", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")))
 
 
 @dataclass
@@ -83,6 +110,14 @@ class TrainSection:
     compile: bool = False  # torch.compile the denoiser
     backend: str = "auto"  # backend of the fused ops
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
+
+    def __post_init__(self):
+        # 0 switches the grids and intermediate checkpoints off (the final checkpoint is always written)
+        _require(self, (("steps", lambda v: v >= 1, "a positive integer"),
+                        ("log_every", lambda v: v >= 1, "a positive integer"),
+                        ("sample_every", lambda v: v >= 0, "a non-negative integer (0: off)"),
+                        ("checkpoint_every", lambda v: v >= 0, "a non-negative integer (0: off)"),
+                        ("keep_checkpoints", lambda v: v >= 0, "a non-negative integer (0: keep all)")))
 
 
 @dataclass
@@ -101,6 +136,7 @@ class SampleSection:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        _require(self, (("guidance_scale", lambda v: v >= 0, "non-negative (ω = 0: no guidance)"),))
 
 
 @dataclass
@@ -131,25 +167,44 @@ def _build(cls, data: Any, where: str):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"unknown key {where}.{unknown[0]} (known keys of {where}: {', '.join(fields)})")
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
-        f = fields[name]
-        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type in _SECTIONS):
-            kwargs[name] = _build(_SECTIONS[f.type if isinstance(f.type, str) else f.type.__name__], value,
-                                  f"{where}.{name}")
-        elif name == "betas":
-            kwargs[name] = tuple(value)
+        if dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _build(hints[name], value, f"{where}.{name}")
         else:
-            kwargs[name] = value
+            kwargs[name] = _typed(value, hints[name], f"{where}.{name}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-_SECTIONS = {c.__name__: c for c in (ModelSection, DataSection, LossConfig, EmbeddingSection, ScheduleSection,
-                                     EMASection, OptimizerSection, TrainSection, SampleSection, MaskGITConfig,
-                                     CSDMConfig, VQLCMDConfig)}
+_TYPE_NAMES = {bool: "true or false (JSON, lower case)", int: "an integer", float: "a finite number", str: "a string",
+               dict: "a JSON object", tuple: "a list of numbers"}
+
+
+def _typed(value: Any, hint: Any, where: str) -> Any:
+    """``value`` checked against a field's type (JSON gives ints for floats, lists for tuples: converted).
+    The dataclasses alone would take a string for a bool (``--set train.resume=False`` would mean
+    true) or a number (failing deep in the run)."""
+    if typing.get_origin(hint) is Union:  # Optional[X]
+        if value is None:
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+          str: lambda v: isinstance(v, str),
+          dict: lambda v: isinstance(v, dict),
+          tuple: lambda v: isinstance(v, (list, tuple)) and all(_typed_number(x) for x in v)}[hint]
+    if not ok(value):
+        raise ConfigError(f"{where} must be {_TYPE_NAMES[hint]}, got {value!r}")
+    return float(value) if hint is float else tuple(value) if hint is tuple else value
+
+
+def _typed_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def parse_vqlcmd_section(section: dict) -> VQLCMDConfig:

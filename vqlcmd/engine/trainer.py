@@ -58,6 +58,17 @@ class LossModule(nn.Module):
                                generator=generator, backend=self.backend)
 
 
+def _setup(key: str, section):
+    """What a ``vqlcmd.<key>`` section builds, for comparing a checkpoint's with a run's: the model section as
+    its denoiser config (so ``{"depth": 2}`` on a depth-2 preset is no change), others as they are."""
+    if key == "model":
+        try:
+            return preset_config(section["preset"], **section["overrides"])
+        except (KeyError, TypeError):  # a preset or field this version no longer has: compare the text
+            return section
+    return section
+
+
 class Trainer:
     def __init__(self, ds_config: dict, cfg: VQLCMDConfig, *, log=print):
         import deepspeed
@@ -101,6 +112,7 @@ class Trainer:
         # DeepSpeed takes a bool: "auto" becomes one here, and the run's config records which
         self.bf16, bf16_why = resolve_bf16(ds.get("bf16", {}).get("enabled", False), self.device)
         ds["bf16"] = {**ds.get("bf16", {}), "enabled": self.bf16}
+        self._check_output_dir(ds)  # before anything is built or written there
 
         # ---- model, EMAs, optimizer -------------------------------------------------------------
         torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
@@ -324,26 +336,57 @@ class Trainer:
             self.log(f"step {self.step}: checkpoint -> {final}; pipeline -> {self.out_dir / 'pipeline'}")
         barrier()
 
-    def _check_checkpoint_precision(self, folder: Path) -> None:
-        """DeepSpeed keeps bf16 and fp32 optimizer state in different layouts and fails on a mix with a
-        missing-file error; "auto" may also resolve differently on another machine, so say which."""
-        saved = folder / "config.json"
-        if not saved.is_file():
+    def _check_output_dir(self, ds: dict) -> None:
+        """A run resumes what ``output_dir`` holds, or refuses to start there: a fresh run would write its
+        checkpoints beside the earlier run's, and pruning by step number, or the next resume, would then
+        take the wrong ones."""
+        tag = ckpt.latest_tag(self.ckpt_dir)
+        if tag is None:
             return
-        was = bool(json.loads(saved.read_text()).get("bf16", {}).get("enabled", False))
+        if not self.cfg.train.resume:
+            raise ConfigError(f"train.resume is false but {self.ckpt_dir} holds an earlier run's checkpoints (latest "
+                              f"{tag}); choose another train.output_dir, or move that folder away")
+        self._check_resumable(self.ckpt_dir / tag, ds)
+
+    def _check_resumable(self, folder: Path, ds: dict) -> None:
+        """What a resume would otherwise fail on deep inside DeepSpeed or the loader, named up front.
+
+        DeepSpeed keeps bf16 and fp32 optimizer state in different layouts and fails on a mix with a
+        missing-file error ("auto" may also resolve differently on another machine); another model,
+        method or embedding setup fails on state-dict keys; another micro-batch, in the loader."""
+        saved_file = folder / "config.json"
+        if not saved_file.is_file():
+            return
+        saved = json.loads(saved_file.read_text())
+        was = bool(saved.get("bf16", {}).get("enabled", False))
         if was != self.bf16:
             name = {True: "bf16", False: "fp32"}
             raise ConfigError(f"{folder} was trained in {name[was]} but this run trains in {name[self.bf16]}; "
                               f"set bf16.enabled to {str(was).lower()} in the config to resume it")
+        then, now = saved.get("vqlcmd", {}), self.cfg.to_dict()
+        for key in ("method", "model", "embedding"):
+            if key in then and _setup(key, then[key]) != _setup(key, now[key]):
+                raise ConfigError(f"{folder} was trained with vqlcmd.{key} = {json.dumps(then[key])} but this run has "
+                                  f"{json.dumps(now[key])}; resume with the same, or train in another "
+                                  "train.output_dir")
+        micro = saved.get("train_micro_batch_size_per_gpu")
+        if micro is not None and micro != ds["train_micro_batch_size_per_gpu"]:
+            raise ConfigError(f"{folder} was trained with train_micro_batch_size_per_gpu={micro} but this run has "
+                              f"{ds['train_micro_batch_size_per_gpu']}; the data loader resumes mid-epoch by batch "
+                              "count, so resume with the same micro-batch")
 
     def load(self) -> bool:
         tag = ckpt.latest_tag(self.ckpt_dir)
         if tag is None:
             return False
-        self._check_checkpoint_precision(self.ckpt_dir / tag)
-        _, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+        folder = self.ckpt_dir / tag
+        self._check_resumable(folder, self.resolved_config)
+        try:
+            _, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+        except Exception as exc:  # a truncated or corrupt file: DeepSpeed/torch name neither the file nor a way out
+            raise ckpt.CheckpointError(ckpt.unreadable(folder, exc)) from exc
         if client is None:
-            raise RuntimeError(f"checkpoint {self.ckpt_dir / tag} could not be loaded")
+            raise ckpt.CheckpointError(ckpt.unreadable(folder, "DeepSpeed found no checkpoint there"))
         self.step = int(client["step"])
         self.teacher.load_state_dict(client["teacher"])
         self.sampling_ema.load_state_dict(client["sampling_ema"])
@@ -351,7 +394,10 @@ class Trainer:
         if not rank_file.is_file():
             raise RuntimeError(f"{rank_file} is missing: the checkpoint was written by a run with a different "
                                "number of ranks; resume with the same world size")
-        state = torch.load(rank_file, weights_only=True)
+        try:
+            state = torch.load(rank_file, weights_only=True)
+        except Exception as exc:
+            raise ckpt.CheckpointError(ckpt.unreadable(folder, exc)) from exc
         self.loader.load_state_dict(state["loader"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
