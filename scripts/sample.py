@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -173,8 +174,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     args = p.parse_args(argv)
+    # checked before anything is written: the manifest would otherwise record the bad settings and
+    # refuse the corrected rerun as "other settings"
     if args.num_samples < 1:
         raise SystemExit("--num-samples must be >= 1")
+    if args.num_steps is not None and args.num_steps < 1:
+        raise SystemExit(f"--num-steps must be >= 1, got {args.num_steps}")
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.guidance_scale is not None and not (args.guidance_scale >= 0 and math.isfinite(args.guidance_scale)):
+        raise SystemExit(f"--guidance-scale must be a finite number >= 0 (0: no guidance), got {args.guidance_scale}")
 
     from vqlcmd.pipeline import VQLCMDPipeline, image_generators
 
@@ -191,7 +200,7 @@ def main(argv=None) -> int:
     settings = {
         "pipeline": str(Path(args.pipeline).resolve()), "weights_sha256": weights_digest(Path(args.pipeline)),
         "num_samples": args.num_samples, "seed": args.seed, "dtype": args.dtype,
-        "labels": args.labels, "num_steps": args.num_steps or d.get("num_steps", 50),
+        "labels": args.labels, "num_steps": d.get("num_steps", 50) if args.num_steps is None else args.num_steps,
         "guidance_scale": d.get("guidance_scale", 0.0) if args.guidance_scale is None else args.guidance_scale,
         "sampler": args.sampler or d.get("sampler", "ancestral"), "final": args.final or d.get("final", "sample"),
     }

@@ -66,10 +66,17 @@ class VQLCMDPipeline:
         for name in (WEIGHTS, CONFIG):
             if not (folder / name).is_file():
                 raise FileNotFoundError(f"{folder}: missing {name}; not an exported VQ-LCMD pipeline folder")
-        config = json.loads((folder / CONFIG).read_text())
-        den_cfg = DenoiserConfig(**config["denoiser"])
+        try:
+            config = json.loads((folder / CONFIG).read_text())
+            den_cfg = DenoiserConfig(**config["denoiser"])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{folder / CONFIG}: not a VQ-LCMD pipeline config ({type(exc).__name__}: {exc})") from exc
         network = VQLCMDNetwork(den_cfg, l2_normalize=config.get("embedding", {}).get("l2_normalize", False))
-        state = load_file(str(folder / WEIGHTS))
+        try:
+            state = load_file(str(folder / WEIGHTS))
+        except Exception as exc:  # safetensors' errors name neither the file nor what to do
+            raise ValueError(f"{folder / WEIGHTS}: unreadable weights, truncated or corrupt ({exc}); export the "
+                             "pipeline again (scripts/train.py writes one with every checkpoint)") from exc
         missing, unexpected = network.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{folder / WEIGHTS}: weights do not fit the config (missing {missing[:5]}, "
@@ -149,13 +156,13 @@ class VQLCMDPipeline:
         batch_size = self._batch_size(batch_size)
         d = self.sample_defaults
         explicit_guidance = guidance_scale is not None
-        num_steps = num_steps or d.get("num_steps", 50)
+        num_steps = d.get("num_steps", 50) if num_steps is None else num_steps  # 0 is refused, not the default
         guidance_scale = d.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
         sampler = sampler or d.get("sampler", "ancestral")
         final = final or d.get("final", "sample")
         cfg = self.network.config
         if class_labels is not None:
-            labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1)
+            labels = class_label_tensor(class_labels, num_images)
             if cfg.num_classes == 0:
                 raise ValueError("this pipeline is unconditional: pass num_images, not class_labels")
             if labels.numel() and (labels.min() < 0 or labels.max() >= cfg.num_classes):
@@ -164,6 +171,8 @@ class VQLCMDPipeline:
         else:
             if num_images is None:
                 raise ValueError("give class_labels (conditional model) or num_images")
+            if num_images < 0:
+                raise ValueError(f"num_images must be >= 0, got {num_images}")
             labels, n = None, num_images
             if guidance_scale > 0 and cfg.num_classes > 0:
                 if explicit_guidance:
@@ -240,6 +249,21 @@ class _SamplingDenoiser(torch.nn.Module):
 
     def forward(self, z, t, y=None):
         return self.inner(z.to(self.inner.in_proj.weight.dtype), t, y)
+
+
+def class_label_tensor(class_labels, num_images: Optional[int]) -> torch.Tensor:
+    """``class_labels`` as a flat int64 tensor; a fractional label (which a cast would truncate) or a
+    ``num_images`` that disagrees with the labels' count is an error, not silently dropped."""
+    labels = torch.as_tensor(class_labels).reshape(-1)
+    if labels.is_floating_point():
+        fractional = labels[labels != labels.round()]
+        if fractional.numel():
+            raise ValueError(f"class_labels must be integers, got {', '.join(f'{v:g}' for v in fractional.tolist()[:8])}")
+    elif labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"class_labels must be integers, got dtype {labels.dtype}")
+    if num_images is not None and num_images != labels.numel():
+        raise ValueError(f"num_images={num_images} but {labels.numel()} class_labels were given (one image per label)")
+    return labels.long()
 
 
 def default_batch_size(device: torch.device) -> int:

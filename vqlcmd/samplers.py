@@ -7,6 +7,8 @@ batched forward.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -68,6 +70,9 @@ def ddim_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s):
 def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: float, device):
     """(labels (B,) or None, B) for a sampler: conditional models take ``class_labels``, unconditional ones
     ``num_samples``; a conditional model without labels samples the null class. Guidance needs labels."""
+    # "not >= 0" also refuses NaN; a negative ω would silently mean no guidance below (guided = ω > 0)
+    if not (guidance_scale >= 0 and math.isfinite(guidance_scale)):
+        raise ValueError(f"guidance_scale must be a finite number >= 0 (0: no guidance), got {guidance_scale}")
     if class_labels is not None:
         if num_classes == 0:
             raise ValueError("class_labels given to an unconditional model")
@@ -76,6 +81,8 @@ def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: 
     else:
         if num_samples is None:
             raise ValueError("give class_labels (conditional) or num_samples (unconditional)")
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         B = num_samples
         y = None if num_classes == 0 else torch.full((B,), num_classes, device=device, dtype=torch.long)
     if guidance_scale > 0 and (class_labels is None or num_classes == 0):

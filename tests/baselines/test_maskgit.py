@@ -68,6 +68,15 @@ def test_sampler_unmasks_the_scheduled_number_per_step(net, steps, guidance):
     assert [c.tolist() for c in calls] == [[int(m)] * 5 for m in remaining]
 
 
+def test_zero_steps_and_negative_guidance_are_refused(net):
+    # both used to fall back silently: 0 steps to the config's count, ω < 0 to no guidance
+    y = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="num_steps must be >= 1, got 0"):
+        maskgit_sample(net, class_labels=y, num_steps=0)
+    with pytest.raises(ValueError, match="guidance_scale must be a finite number >= 0"):
+        maskgit_sample(net, class_labels=y, num_steps=2, guidance_scale=-1.0)
+
+
 def test_decoded_tokens_are_never_changed(net):
     # a denoiser that always prefers a different token: earlier decisions must still stand
     y = torch.tensor([0, 1])

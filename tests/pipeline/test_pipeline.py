@@ -94,6 +94,19 @@ def test_errors_name_the_problem(tiny_pipeline, tmp_path):
         tiny_pipeline([0], output_type="np")
     with pytest.raises(FileNotFoundError, match="missing model.safetensors"):
         VQLCMDPipeline.from_pretrained(tmp_path)
+    # 0 steps silently sampled the default 50, and a negative or NaN ω silently meant no guidance
+    with pytest.raises(ValueError, match="num_steps must be >= 1, got 0"):
+        tiny_pipeline([0], num_steps=0)
+    for omega in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="guidance_scale must be a finite number >= 0"):
+            tiny_pipeline([0], guidance_scale=omega, num_steps=2)
+    with pytest.raises(ValueError, match=r"class_labels must be integers, got 1.7$"):
+        tiny_pipeline([1.7], num_steps=2)
+    with pytest.raises(ValueError, match="num_images=3 but 2 class_labels were given"):
+        tiny_pipeline([0, 1], num_images=3, num_steps=2)
+    with pytest.raises(ValueError, match="num_images must be >= 0, got -3"):
+        tiny_pipeline(num_images=-3, num_steps=2)
+    assert tiny_pipeline([1.0, 2.0], num_images=2, num_steps=2, output_type="tokens").shape == (2, 4, 4)
     folder = tiny_pipeline.save_pretrained(tmp_path / "p")
     config = json.loads((folder / "config.json").read_text())
     config["tokenizer"]["path"] = str(tmp_path / "gone")
@@ -104,6 +117,17 @@ def test_errors_name_the_problem(tiny_pipeline, tmp_path):
     assert tokens_only([1], output_type="tokens", num_steps=2).shape == (1, 4, 4)
     with pytest.raises(RuntimeError, match="no tokenizer loaded"):
         tokens_only([1], output_type="pt", num_steps=2)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors: unreadable weights, truncated or corrupt"):
+        VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not a VQ-LCMD pipeline config \(JSONDecodeError"):
+        VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
+    config["denoiser"]["depthx"] = 2
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"not a VQ-LCMD pipeline config \(TypeError.*depthx"):
+        VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
 
 
 def test_bfloat16_weights_sample(tiny_pipeline, tmp_path):

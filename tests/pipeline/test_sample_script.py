@@ -87,3 +87,14 @@ def test_torchrun_two_ranks_match_one(sample_script, pipe_dir, tmp_path):
            str(ROOT / "scripts" / "sample.py"), *_args(pipe_dir, tmp_path / "two")]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=600)
     assert _read(tmp_path / "two") == _read(tmp_path / "one")
+
+
+@pytest.mark.parametrize("bad, message", [(("--num-steps", "0"), "--num-steps must be >= 1, got 0"),
+                                          (("--batch-size", "0"), "--batch-size must be >= 1, got 0"),
+                                          (("--guidance-scale", "-1"), "--guidance-scale must be a finite number >= 0"),
+                                          (("--guidance-scale", "nan"), "--guidance-scale must be a finite number >= 0")])
+def test_bad_options_are_refused_before_anything_is_written(sample_script, pipe_dir, tmp_path, bad, message):
+    out = tmp_path / "s"
+    with pytest.raises(SystemExit, match=message):
+        sample_script.main(_args(pipe_dir, out, *bad))
+    assert not out.exists()  # a manifest of the bad settings would refuse the corrected rerun

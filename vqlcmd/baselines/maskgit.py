@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..diffusion.losses import drop_labels
 from ..network import VQLCMDNetwork
-from ..pipeline import VQLCMDPipeline, to_pil
+from ..pipeline import VQLCMDPipeline, class_label_tensor, to_pil
 from ..samplers import resolve_labels
 
 MASK_SCHEDULES = ("cosine", "arccos", "linear", "square")
@@ -143,7 +143,10 @@ def maskgit_sample(net: VQLCMDNetwork, *, class_labels: Optional[torch.Tensor] =
     guided = guidance_scale > 0
     # At least one token per step: more steps than tokens decode one token per step (M steps), as Besnier &
     # Chen's loop does once every token is decoded.
-    sched = unmask_schedule(min(num_steps or cfg.num_steps, M), M, cfg.sample_schedule)
+    num_steps = cfg.num_steps if num_steps is None else num_steps
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    sched = unmask_schedule(min(num_steps, M), M, cfg.sample_schedule)
     N = len(sched)
     ids = torch.full((B, M), K, device=device, dtype=torch.long)
     masked = torch.ones((B, M), device=device, dtype=torch.bool)
@@ -196,13 +199,15 @@ class MaskGITPipeline(VQLCMDPipeline):
         guidance_scale = self.sample_defaults.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
         cfg = self.network.config
         if class_labels is not None:
-            labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1)
+            labels = class_label_tensor(class_labels, num_images)
             if cfg.num_classes == 0:
                 raise ValueError("this pipeline is unconditional: pass num_images, not class_labels")
             n = labels.numel()
         else:
             if num_images is None:
                 raise ValueError("give class_labels (conditional model) or num_images")
+            if num_images < 0:
+                raise ValueError(f"num_images must be >= 0, got {num_images}")
             labels, n = None, num_images
             if cfg.num_classes > 0 and guidance_scale > 0:
                 raise ValueError("guidance needs class_labels")
@@ -211,7 +216,7 @@ class MaskGITPipeline(VQLCMDPipeline):
         for start in range(0, n, batch_size):
             stop = min(n, start + batch_size)
             kw = dict(class_labels=labels[start:stop]) if labels is not None else dict(num_samples=stop - start)
-            chunks.append(maskgit_sample(self.network, num_steps=num_steps or self.maskgit.num_steps,
+            chunks.append(maskgit_sample(self.network, num_steps=self.maskgit.num_steps if num_steps is None else num_steps,
                                          guidance_scale=guidance_scale, cfg=self.maskgit, generator=generator, **kw))
         tokens = torch.cat(chunks) if chunks else torch.empty(0, cfg.seq_len, dtype=torch.long)
         tokens = tokens.view(-1, *self.grid)
