@@ -157,6 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
+    for name, value in (("samples", args.samples), ("--ref", args.ref)):
+        if value is not None and not Path(value).exists():
+            raise SystemExit(f"{name}: {value} does not exist")
 
     result = evaluate_digits(args) if args.digits else evaluate_inception(args)
     text = json.dumps(result, indent=2)

@@ -13,6 +13,7 @@ import sys
 # (through inspect and linecache); drop this folder from the path so that import finds the real one.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))  # run from a source checkout without install
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -54,4 +54,6 @@ def test_unconditional_samples_and_the_finite_sample_floor(real):
     assert ref["precision"] > 0.8 and ref["recall"] > 0.8
     with pytest.raises(ValueError, match="labels"):
         evaluate_digit_samples(images[:5], labels[:4])
+    with pytest.raises(ValueError, match=r"digit labels must be in \[0, 9\], got \[40\]"):
+        evaluate_digit_samples(images[:2], torch.tensor([3, 40]))
     assert np.isfinite(ref["fid"])

@@ -115,3 +115,12 @@ def test_missing_weights_name_the_file(evaluate, tmp_path, monkeypatch):
         evaluate.main([str(tmp_path / "s.npz"), "--metrics", "is", "--inception-weights", str(tmp_path / "nowhere.pth")])
     with pytest.raises(SystemExit, match="need --ref"):
         evaluate.main([str(tmp_path / "s.npz"), "--inception-weights", str(tmp_path / "nowhere.pth")])
+
+
+def test_missing_inputs_are_named(evaluate, tmp_path):
+    with pytest.raises(SystemExit, match=r"samples: .*nowhere does not exist"):
+        evaluate.main([str(tmp_path / "nowhere"), "--digits"])
+    np.savez(tmp_path / "s.npz", arr_0=np.zeros((2, 8, 8, 3), np.uint8))
+    with pytest.raises(SystemExit, match=r"--ref: .*gone\.npz does not exist"):
+        evaluate.main([str(tmp_path / "s.npz"), "--ref", str(tmp_path / "gone.npz")])
+

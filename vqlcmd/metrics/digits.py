@@ -132,6 +132,8 @@ def evaluate_digit_samples(images: torch.Tensor, labels: Optional[torch.Tensor] 
         y = labels.cpu().numpy()
         if len(y) != len(x):
             raise ValueError(f"{len(x)} images but {len(y)} labels")
+        if len(y) and (y.min() < 0 or y.max() > 9):  # not a digit: it would only count as a miss
+            raise ValueError(f"digit labels must be in [0, 9], got {sorted(set(y.tolist()) - set(range(10)))[:8]}")
         out["accuracy"] = float((pred == y).mean())
     else:
         y = pred
