@@ -62,6 +62,7 @@ def main(argv=None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    from vqlcmd.data.shards import ShardError
     from vqlcmd.engine.checkpoint import CheckpointError
     from vqlcmd.engine.trainer import Trainer
 
@@ -73,6 +74,12 @@ def main(argv=None) -> int:
         return 2
     except CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 2
+    except ShardError as exc:  # a corrupt or inconsistent token shard
+        print(f"data error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:  # an empty shard folder, a tokenizer folder without its files
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.evaluate and trainer.rank == 0:
         from vqlcmd.engine.report import final_report

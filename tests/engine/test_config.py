@@ -139,3 +139,22 @@ def test_cli_names_a_damaged_checkpoint(tmp_path, tiny_shards, make_config):
     assert "checkpoint error: cannot resume from" in damaged.stderr and "step_0000002" in damaged.stderr
     fresh = _run_train(cfg, "--set", "train.resume=false")
     assert fresh.returncode == 2 and "config error: train.resume is false but" in fresh.stderr
+
+
+@pytest.mark.parametrize("key, value", [("train_micro_batch_size_per_gpu", 0), ("gradient_accumulation_steps", 0),
+                                        ("train_batch_size", "64"), ("train_micro_batch_size_per_gpu", True)])
+def test_batch_keys_must_be_positive_integers(tmp_path, key, value):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({key: value, "vqlcmd": {}}))
+    with pytest.raises(ConfigError, match=f"{key} must be a positive integer, got {value!r}"):
+        load_config(str(p))
+
+
+def test_cli_names_a_corrupt_shard(tmp_path, tiny_shards, make_config):
+    shard = tiny_shards / "shard_00001.vqtok"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # one flipped byte in the tokens
+    shard.write_bytes(bytes(data))
+    proc = _run_train(make_config(tmp_path, tiny_shards, steps=1))
+    assert proc.returncode == 2 and "data error: token shard" in proc.stderr and "checksum mismatch" in proc.stderr
+

@@ -172,3 +172,10 @@ def test_damaged_checkpoint_names_itself_and_the_way_back(tmp_path, tiny_shards,
     (ck / "step_0000004").rename(tmp_path / "damaged")
     history = trainer(tmp_path, tiny_shards, steps=6).train(progress=False)
     assert [h["step"] for h in history] == [3, 4, 5, 6]
+
+
+def test_a_micro_batch_the_data_cannot_fill_is_a_config_error(tmp_path, tiny_shards, make_config):
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=1)))
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=200: 96 samples cannot fill one batch"):
+        Trainer({**ds, "train_micro_batch_size_per_gpu": 200}, cfg, log=lambda *a, **k: None)
+

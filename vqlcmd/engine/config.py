@@ -248,6 +248,10 @@ def check_deepspeed_section(ds: dict, path) -> None:
             "every step and needs the whole parameter set on each rank; ZeRO-3 partitions parameters, so "
             "use stage 0, 1 or 2 (which partition optimizer state and gradients only)"
         )
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = ds.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
     if ds.get("fp16", {}).get("enabled"):
         raise ConfigError(f"{path}: fp16 training is not supported; use bf16 (or fp32)")
     bf16 = ds.get("bf16", {}).get("enabled", False)

@@ -103,6 +103,9 @@ class Trainer:
             if "train_batch_size" not in ds:
                 raise ConfigError("set train_micro_batch_size_per_gpu or train_batch_size in the config")
             micro = ds["train_batch_size"] // (gas * self.world)
+            if micro < 1:
+                raise ConfigError(f"train_batch_size={ds['train_batch_size']} cannot give each of {self.world} rank(s) "
+                                  f"a micro-batch over gradient_accumulation_steps={gas}")
         ds["train_micro_batch_size_per_gpu"] = micro
         ds["gradient_accumulation_steps"] = gas
         ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
@@ -134,7 +137,10 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds)
         self.net: VQLCMDNetwork = self.engine.module.net
-        self.loader = ShardLoader(self.dataset, micro, rank=self.rank, world_size=self.world, seed=cfg.train.seed)
+        try:
+            self.loader = ShardLoader(self.dataset, micro, rank=self.rank, world_size=self.world, seed=cfg.train.seed)
+        except ValueError as exc:  # the data set cannot fill a micro-batch on every rank
+            raise ConfigError(f"train_micro_batch_size_per_gpu={micro}: {exc}") from exc
         # per-rank stream for t, s, ε, drop masks: reproducible and saved with checkpoints
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 1000 + self.rank)
         self.step = 0
