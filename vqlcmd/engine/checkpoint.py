@@ -18,7 +18,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that exists but cannot be resumed (truncated or corrupt files)."""
+    """A checkpoint that exists but cannot be loaded (most often a truncated or corrupt file)."""
 
 
 def unreadable(folder: Path, why) -> str:
@@ -26,7 +26,7 @@ def unreadable(folder: Path, why) -> str:
     older = [p.name for p in complete_checkpoints(folder.parent) if p != folder]
     out = (f"resume from the previous one ({older[-1]}) by moving {folder} away" if older else
            "move it away to train afresh")
-    return f"cannot resume from {folder}: {why}. The checkpoint is damaged; {out}"
+    return f"cannot resume from {folder}: {why}. If a file there is truncated or corrupt, {out}"
 
 
 def tag_for(step: int) -> str:
