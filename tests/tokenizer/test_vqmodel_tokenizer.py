@@ -72,6 +72,34 @@ def test_missing_and_wrong_folders(tmp_path):
     (tmp_path / "kl" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL"}))
     with pytest.raises(ValueError, match="holds a AutoencoderKL, not a VQModel"):
         load_tokenizer(tmp_path / "kl")
+    (tmp_path / "kl" / "config.json").write_text("{broken")
+    with pytest.raises(ValueError, match=r"kl/config\.json: not valid JSON"):
+        load_tokenizer(tmp_path / "kl")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(FileNotFoundError, match="a_file' is a file, not a folder"):
+        load_tokenizer(tmp_path / "a_file")
+
+
+@pytest.mark.parametrize("change, problem", [("drop", r"missing keys: \['quantize\.embedding\.weight'\]"),
+                                             ("add", r"unexpected keys: \['extra\.weight'\]")])
+def test_weights_that_do_not_fit_the_config_are_refused(folder, tmp_path, change, problem):
+    """diffusers only warned, and initialised a missing codebook at random (unseeded), so such a folder
+    tokenized without error and its identifier changed from load to load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    weights = bad / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(weights))
+    if change == "drop":
+        del state["quantize.embedding.weight"]
+    else:
+        state["extra.weight"] = torch.zeros(2)
+    save_file(state, str(weights))
+    with pytest.raises(ValueError, match=r"bad': the weights do not fit its config\.json \(" + problem):
+        load_tokenizer(bad)
 
 
 def test_bad_inputs(folder):

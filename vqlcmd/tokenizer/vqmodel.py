@@ -81,13 +81,17 @@ def load_vqmodel(path: str | os.PathLike):
 
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} does not exist (expected a diffusers VQModel "
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} {what} (expected a diffusers VQModel "
                                 "folder with config.json and weights; see scripts/train_tokenizer.py or "
                                 "vqlcmd.tokenizer.convert_taming_checkpoint)")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"tokenizer folder {str(folder)!r} has no config.json; it is not a diffusers "
                                 "VQModel folder")
-    cls = json.loads((folder / "config.json").read_text()).get("_class_name", "VQModel")
+    try:
+        cls = json.loads((folder / "config.json").read_text()).get("_class_name", "VQModel")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{folder / 'config.json'}: not valid JSON ({exc})") from exc
     if cls != "VQModel":
         raise ValueError(f"tokenizer folder {str(folder)!r} holds a {cls}, not a VQModel")
     # diffusers defaults to its accelerate-based lazy init and, without accelerate (an optional
@@ -95,8 +99,16 @@ def load_vqmodel(path: str | os.PathLike):
     # installed loads the same weights without the warning.
     from diffusers.utils import is_accelerate_available
 
-    return VQModel.from_pretrained(str(folder), local_files_only=True,
-                                   low_cpu_mem_usage=is_accelerate_available())
+    model, info = VQModel.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
+                                          low_cpu_mem_usage=is_accelerate_available())
+    # diffusers only warns about these and initialises missing weights at random (unseeded): a tokenizer
+    # would then tokenize, and its identifier change, from load to load
+    problems = {k: info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")}
+    problems = {k: v for k, v in problems.items() if v}
+    if problems:
+        raise ValueError(f"tokenizer folder {str(folder)!r}: the weights do not fit its config.json ("
+                         + "; ".join(f"{k.replace('_', ' ')}: {list(v)[:5]}" for k, v in problems.items()) + ")")
+    return model
 
 
 def load_tokenizer(path: str | os.PathLike, device="cpu") -> VQModelTokenizer:
