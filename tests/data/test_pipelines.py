@@ -112,3 +112,13 @@ def test_missing_folder_and_bad_options(tmp_path):
         image_batches(list_images(tmp_path, check="none"), 8, 2, flip="sometimes")
     with pytest.raises(ValueError, match="check must be"):
         list_images(tmp_path, check="maybe")
+
+
+def test_images_beside_class_folders_are_an_error(tmp_path):
+    # any subfolder makes the tree one class per subfolder; images at the top were then left out silently
+    write_tree(tmp_path, classes=("ant",), sizes=[(20, 20)])
+    Image.fromarray(_picture(20, 20, 1)).save(tmp_path / "loose.jpg")
+    with pytest.raises(ValueError, match=r"holds 1 image\(s\) \(e\.g\. loose\.jpg\) beside its subfolders \['ant'\]"):
+        list_images(tmp_path)
+    (tmp_path / "loose.jpg").unlink()
+    assert list_images(tmp_path).class_names == ["ant"]

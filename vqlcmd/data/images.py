@@ -52,6 +52,12 @@ def list_images(root, *, check: str = "header") -> ImageList:
         raise FileNotFoundError(f"image folder {str(root)!r} does not exist")
     subdirs = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if subdirs:
+        loose = [p.name for p in root.iterdir() if p.is_file() and p.name.lower().endswith(IMAGE_EXTENSIONS)
+                 and not p.name.startswith(".")]
+        if loose:  # as class folders they would be left out, silently
+            raise ValueError(f"image folder {str(root)!r} holds {len(loose)} image(s) (e.g. {sorted(loose)[0]}) beside "
+                             f"its subfolders {subdirs[:5]}: a tree is either flat (one class, subfolders "
+                             "included) or one subfolder per class with no images at its top")
         class_names = subdirs
         pairs = [(str(p), c) for c, name in enumerate(subdirs) for p in _image_files(root / name)]
     else:
