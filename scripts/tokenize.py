@@ -19,6 +19,13 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -26,16 +33,16 @@ def parse_args(argv=None):
     src.add_argument("--dataset", choices=["digits"], help="the embedded data set")
     p.add_argument("--tokenizer", help="diffusers VQModel folder (for --dataset digits: default, the cached one)")
     p.add_argument("--out", help="output folder for the shards (for --dataset digits: default, the cache)")
-    p.add_argument("--size", type=int, help="image side after resize + centre crop (default: the tokenizer's)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--shard-size", type=int, default=10000, help="images per shard")
+    p.add_argument("--size", type=_positive, help="image side after resize + centre crop (default: the tokenizer's)")
+    p.add_argument("--batch-size", type=_positive, default=64)
+    p.add_argument("--shard-size", type=_positive, default=10000, help="images per shard")
     p.add_argument("--flip", action="store_true", help="also write horizontally flipped copies")
     p.add_argument("--backend", default="auto", choices=["auto", "dali", "pil"])
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument("--check-images", default="header", choices=["none", "header", "decode"],
                    help="skip unreadable files up front: header parse (default) or full decode")
-    p.add_argument("--num-threads", type=int, default=4, help="decoding threads")
-    p.add_argument("--steps", type=int, default=1000, help="--dataset digits: tokenizer training steps")
+    p.add_argument("--num-threads", type=_positive, default=4, help="decoding threads")
+    p.add_argument("--steps", type=_positive, default=1000, help="--dataset digits: tokenizer training steps")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -72,13 +79,18 @@ def main(argv=None) -> dict:
         raise SystemExit("--images needs --tokenizer and --out")
     tok = load_tokenizer(args.tokenizer, device=args.device)
     size = args.size or tok.image_size[0]
+    if size != tok.image_size[0]:  # the encoder takes its own size only; say so before listing the tree
+        raise SystemExit(f"--size {size}: tokenizer {args.tokenizer} takes {tok.image_size[0]}x{tok.image_size[1]} "
+                         "images; leave --size out")
     images = list_images(args.images, check=args.check_images)
     print(f"{len(images)} images, {images.num_classes} classes, {len(images.skipped)} skipped; tokenizer "
           f"{tok.identifier} ({tok.codebook_size} codes, grid {tok.grid[0]}x{tok.grid[1]})")
     results = {}
     for flip, prefix in [("none", "shard")] + ([("always", "flip")] if args.flip else []):
+        # the file list's digest: a restart keeps a shard only if the tree still lists the same images
         header = {"num_classes": images.num_classes, "class_names": images.class_names, "image_size": [size, size],
-                  "channels": tok.channels, "source": os.path.abspath(args.images), "flipped": flip == "always"}
+                  "channels": tok.channels, "source": os.path.abspath(args.images), "flipped": flip == "always",
+                  "files_sha256": images.digest()}
 
         def batches(start, stop, flip=flip):
             return image_batches(images.subset(start, stop), size, args.batch_size, flip=flip, backend=args.backend,

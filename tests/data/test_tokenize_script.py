@@ -89,3 +89,36 @@ def test_other_tokenizer_redoes_everything(setup, tmp_path):
     stats = main(argv + ["--tokenizer", str(tmp_path / "vq2")])
     assert stats["shard"]["written"] == 2
     assert TokenShardDataset(out).header["tokenizer_id"] == load_tokenizer(tmp_path / "vq2").identifier
+
+
+def test_another_tree_or_shard_size_is_not_mistaken_for_finished_work(setup, tmp_path):
+    images, vq, base = setup
+    main = _script_main()
+    out = tmp_path / "out"
+    argv = ["--tokenizer", str(vq), "--out", str(out), "--backend", "pil", "--device", "cpu", "--no-progress"]
+    main(argv + ["--images", str(images), "--shard-size", "4"])
+    # another tree of as many images: its shards used to be kept as "finished" (the same tokenizer, count
+    # and classes), so the folder held the first tree's tokens under the second tree's name
+    other = write_tree(tmp_path / "other", sizes=[(40 + i, 50) for i in range(7)])
+    stats = main(argv + ["--images", str(other), "--shard-size", "4"])
+    assert stats["shard"]["written"] == 2
+    tok = load_tokenizer(vq)
+    x = torch.cat([b for b, _ in image_batches(list_images(other), 16, 8, backend="pil")])
+    assert torch.equal(TokenShardDataset(out).gather(np.arange(7))[0], tok.encode(x).reshape(7, -1))
+    # larger shards leave fewer: the old shard-00001 would be read as extra samples
+    with pytest.raises(ValueError, match=r"holds 1 shard shard\(s\) past this run's 1 \(shard-00001\.vqtok\)"):
+        main(argv + ["--images", str(other), "--shard-size", "10"])
+
+
+@pytest.mark.parametrize("bad", [["--shard-size", "0"], ["--batch-size", "-2"], ["--num-threads", "0"]])
+def test_sizes_must_be_positive(setup, tmp_path, bad, capsys):
+    images, vq, base = setup
+    with pytest.raises(SystemExit):
+        _script_main()(["--images", str(images), "--tokenizer", str(vq), "--out", str(tmp_path / "o"), *bad])
+    assert "must be a positive integer" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_a_size_the_tokenizer_does_not_take_is_refused_up_front(setup, tmp_path):
+    images, vq, base = setup
+    with pytest.raises(SystemExit, match=r"--size 32: tokenizer .* takes 16x16 images"):
+        _script_main()(["--images", str(images), "--tokenizer", str(vq), "--out", str(tmp_path / "o"), "--size", "32"])

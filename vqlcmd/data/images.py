@@ -6,6 +6,7 @@ resize the shorter side to ``size``, centre crop ``size x size``, optional horiz
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -29,6 +30,14 @@ class ImageList:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    def digest(self) -> str:
+        """sha256 (16 hex digits) of the listed files' paths under ``root``, labels and byte sizes: equal for an
+        unchanged tree, different once an image is added, removed, moved or rewritten with another size."""
+        h = hashlib.sha256()
+        for f, label in zip(self.files, self.labels):
+            h.update(f"{os.path.relpath(f, self.root)}\t{label}\t{os.path.getsize(f)}\n".encode())
+        return h.hexdigest()[:16]
 
     def subset(self, start: int, stop: int) -> "ImageList":
         return ImageList(self.root, self.files[start:stop], self.labels[start:stop], self.class_names)

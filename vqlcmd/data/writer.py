@@ -22,15 +22,31 @@ def shard_path(out_dir, index: int, prefix: str = "shard") -> Path:
 
 
 def _is_done(path: Path, header: dict, count: int) -> bool:
+    """Whether ``path`` is a finished shard of this run: intact, as long as its range, and written with every
+    header value this run writes (tokenizer, source and its file list, image size, channels, flip, ...)."""
     if not path.exists():
         return False
     try:
         s = open_shard(path)
     except ShardError:
         return False  # a corrupt or foreign leftover is redone, not trusted
-    same = all(s.header.get(k) == v for k, v in header.items() if k in ("tokenizer_id", "grid", "codebook_size",
-                                                                         "num_classes", "class_names", "flipped"))
-    return same and len(s) == count
+    return all(s.header.get(k) == v for k, v in header.items()) and len(s) == count
+
+
+def _index(path: Path, prefix: str) -> int:
+    """The shard index in ``<prefix>-<index>.vqtok``, or -1 for another name."""
+    stem = path.name[len(prefix) + 1:-len(SUFFIX)]
+    return int(stem) if path.name.startswith(prefix + "-") and stem.isdigit() else -1
+
+
+def _refuse_stale(out_dir: Path, prefix: str, num_shards: int) -> None:
+    """Shards past this run's last index come from a run with more images or smaller shards; the data set
+    would read them beside this run's, duplicating or mixing samples."""
+    stale = sorted(p.name for p in out_dir.glob(f"{prefix}-*{SUFFIX}") if _index(p, prefix) >= num_shards)
+    if stale:
+        raise ValueError(f"{out_dir} holds {len(stale)} {prefix} shard(s) past this run's {num_shards} "
+                         f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}), from a run with other "
+                         "settings; write into an empty folder, or remove them")
 
 
 def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, header: dict, *,
@@ -43,7 +59,10 @@ def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, hea
     out_dir.mkdir(parents=True, exist_ok=True)
     header = dict(header, tokenizer_id=tokenizer.identifier, codebook_size=tokenizer.codebook_size,
                   grid=list(tokenizer.grid))
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     ranges = [(i, s, min(s + shard_size, count)) for i, s in enumerate(range(0, count, shard_size))]
+    _refuse_stale(out_dir, prefix, len(ranges))
     todo = [r for r in ranges if not _is_done(shard_path(out_dir, r[0], prefix), header, r[2] - r[1])]
     if len(todo) < len(ranges):
         log(f"{out_dir}: keeping {len(ranges) - len(todo)} finished {prefix} shard(s), making {len(todo)}")
