@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from vqlcmd.cli import positive_float, positive_int  # noqa: E402
 from vqlcmd.diffusion import LossConfig, training_losses  # noqa: E402
 from vqlcmd.ema import EMA  # noqa: E402
 from vqlcmd.embedding import collapse_indicator  # noqa: E402
@@ -72,18 +73,18 @@ def run(beta_cm, args, den_cfg):
     return curve
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="digits-1m")
     p.add_argument("--shards", default=None, help="token shards to train on (default: synthetic tokens)")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--every", type=int, default=100)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=positive_int, default=400)
+    p.add_argument("--every", type=positive_int, default=100)
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--shift", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path for the indicator-vs-steps plot")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     den_cfg = preset_config(args.preset, attn_dropout=0.0)
     t0 = time.perf_counter()
     curves = {beta: run(beta, args, den_cfg) for beta in (1.0, 0.0)}

@@ -30,6 +30,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from vqlcmd.cli import positive_int  # noqa: E402
+
 
 def _ints(s):
     return [int(x) for x in s.split(",")]
@@ -111,9 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=_ints, default=[5, 10, 20, 50])
     p.add_argument("--samplers", default="ancestral,ddim")
     p.add_argument("--guidance", type=_floats, default=[0.0, 1.0, 2.0])
-    p.add_argument("--per-class", type=int, default=50)
+    p.add_argument("--per-class", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=250)
+    p.add_argument("--batch-size", type=positive_int, default=250)
     p.add_argument("--machine", default=None, help="words for the machine the times were measured on")
     p.add_argument("--note", default=None, help="a paragraph printed under the model line (e.g. its status)")
     args = p.parse_args(argv)

@@ -28,6 +28,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
+from vqlcmd.cli import positive_int  # noqa: E402
 from vqlcmd.engine.config import load_config, parse_vqlcmd_section  # noqa: E402
 
 # row name -> (label, vqlcmd-section overrides). VQ-LCMD rows also get --ns-shift (the "NS" of the paper).
@@ -310,30 +311,30 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/reproduce"))
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), metavar="ROW")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=3000, help="training steps per run (the budget)")
-    p.add_argument("--batch", type=int, default=64, help="micro-batch per step")
+    p.add_argument("--steps", type=positive_int, default=3000, help="training steps per run (the budget)")
+    p.add_argument("--batch", type=positive_int, default=64, help="micro-batch per step")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--bf16", choices=["false", "true", "auto"], default="false",
                    help="train in bf16 (auto: where the device has native bf16, see vqlcmd/engine/precision.py); "
                         "default fp32, as the committed records in docs/ were measured, whatever the base config says")
     p.add_argument("--ns-shift", type=float, default=-1.0,
                    help="schedule shift of the VQ-LCMD rows (the paper's NS; 'w/o NS' uses 0)")
-    p.add_argument("--per-class", type=int, default=50, help="samples per class for each evaluation")
-    p.add_argument("--main-steps", type=int, default=50, help="sampling steps of the continuous rows' main eval")
-    p.add_argument("--main-steps-maskgit", type=int, default=8, help="MaskGIT's sampling steps (paper: 8)")
-    p.add_argument("--few-steps", nargs="+", type=int, default=FEW_STEPS)
+    p.add_argument("--per-class", type=positive_int, default=50, help="samples per class for each evaluation")
+    p.add_argument("--main-steps", type=positive_int, default=50, help="sampling steps of the continuous rows' main eval")
+    p.add_argument("--main-steps-maskgit", type=positive_int, default=8, help="MaskGIT's sampling steps (paper: 8)")
+    p.add_argument("--few-steps", nargs="+", type=positive_int, default=FEW_STEPS)
     p.add_argument("--no-few-steps", action="store_true")
-    p.add_argument("--eval-batch", type=int, default=None,
+    p.add_argument("--eval-batch", type=positive_int, default=None,
                    help="images per sampling batch (default: the pipeline's, by device)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (per run with --jobs)")
-    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (per run with --jobs)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="runs trained at once, each in its own process")
     p.add_argument("--time-limit", type=float, default=None, help="seconds after which no new run starts")
     p.add_argument("--model-overrides", type=json.loads, default={},
                    help='DenoiserConfig fields for every row, e.g. \'{"width": 64, "depth": 2}\'')
     p.add_argument("--digits-size", type=int, default=None,
                    help="prepare the digits tokenizer at this size (px) instead of the config's data section; "
                         "16 gives 4x4 = 16 tokens (the default digits data set is 32 px, 8x8 tokens)")
-    p.add_argument("--tokenizer-steps", type=int, default=1000, help="training steps of that tokenizer")
+    p.add_argument("--tokenizer-steps", type=positive_int, default=1000, help="training steps of that tokenizer")
     p.add_argument("--digits-cache", default=None, help="cache folder of that tokenizer (default: the project's)")
     p.add_argument("--report-only", action="store_true",
                    help="write the tables and the plot from results.jsonl without training anything")

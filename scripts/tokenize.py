@@ -18,12 +18,7 @@ sys.path.insert(0, os.path.dirname(_HERE))  # run from a source checkout without
 import argparse  # noqa: E402
 import json  # noqa: E402
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+from vqlcmd.cli import positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,16 +28,16 @@ def parse_args(argv=None):
     src.add_argument("--dataset", choices=["digits"], help="the embedded data set")
     p.add_argument("--tokenizer", help="diffusers VQModel folder (for --dataset digits: default, the cached one)")
     p.add_argument("--out", help="output folder for the shards (for --dataset digits: default, the cache)")
-    p.add_argument("--size", type=_positive, help="image side after resize + centre crop (default: the tokenizer's)")
-    p.add_argument("--batch-size", type=_positive, default=64)
-    p.add_argument("--shard-size", type=_positive, default=10000, help="images per shard")
+    p.add_argument("--size", type=positive_int, help="image side after resize + centre crop (default: the tokenizer's)")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--shard-size", type=positive_int, default=10000, help="images per shard")
     p.add_argument("--flip", action="store_true", help="also write horizontally flipped copies")
     p.add_argument("--backend", default="auto", choices=["auto", "dali", "pil"])
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument("--check-images", default="header", choices=["none", "header", "decode"],
                    help="skip unreadable files up front: header parse (default) or full decode")
-    p.add_argument("--num-threads", type=_positive, default=4, help="decoding threads")
-    p.add_argument("--steps", type=_positive, default=1000, help="--dataset digits: tokenizer training steps")
+    p.add_argument("--num-threads", type=positive_int, default=4, help="decoding threads")
+    p.add_argument("--steps", type=positive_int, default=1000, help="--dataset digits: tokenizer training steps")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 

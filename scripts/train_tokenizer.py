@@ -17,6 +17,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import argparse  # noqa: E402
 import json  # noqa: E402
 
+from vqlcmd.cli import positive_float, positive_int  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,17 +26,31 @@ def parse_args(argv=None):
     src.add_argument("--dataset", choices=["digits"])
     src.add_argument("--images", help="image folder (loaded into memory: meant for small trees)")
     p.add_argument("--out", help="output folder (digits: default, the cache used by prepare_digits)")
-    p.add_argument("--size", type=int, default=32, help="image side")
-    p.add_argument("--channels", type=int, default=None, help="1 or 3 (digits: 1; images: 3)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--codebook-size", type=int, default=128)
-    p.add_argument("--code-dim", type=int, default=8)
+    p.add_argument("--size", type=positive_int, default=32, help="image side")
+    p.add_argument("--channels", type=int, choices=(1, 3), default=None, help="1 or 3 (digits: 1; images: 3)")
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--lr", type=positive_float, default=2e-3)
+    p.add_argument("--codebook-size", type=positive_int, default=128)
+    p.add_argument("--code-dim", type=positive_int, default=8)
     p.add_argument("--channels-per-block", default="16,32,64", help="comma-separated; len-1 downsamplings by 2")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check-images", default="header", choices=["none", "header", "decode"],
+                   help="--images: skip unreadable files up front: header parse (default) or full decode")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        blocks = tuple(int(c) for c in args.channels_per_block.split(","))
+    except ValueError:
+        p.error(f"--channels-per-block takes comma-separated integers, got {args.channels_per_block!r}")
+    groups = min(8, blocks[0])  # the GroupNorm groups small_vqmodel uses
+    if any(c < 1 or c % groups for c in blocks):
+        p.error(f"--channels-per-block {args.channels_per_block}: each must be a positive multiple of {groups}")
+    if args.size % 2 ** (len(blocks) - 1):
+        p.error(f"--size {args.size} must be divisible by {2 ** (len(blocks) - 1)} ({len(blocks) - 1} downsamplings "
+                f"by 2, one per block after the first)")
+    args.blocks = blocks
+    return args
 
 
 def main(argv=None) -> dict:
@@ -60,9 +76,9 @@ def main(argv=None) -> dict:
         images, _ = digits_images(args.size)
     else:
         channels = args.channels or 3
-        il = list_images(args.images)
+        il = list_images(args.images, check=args.check_images)
         images = torch.cat([x for x, _ in image_batches(il, args.size, 256, channels=channels)])
-    blocks = tuple(int(c) for c in args.channels_per_block.split(","))
+    blocks = args.blocks
     torch.manual_seed(args.seed)
     model = small_vqmodel(channels=channels, image_size=args.size, block_channels=blocks,
                           codebook_size=args.codebook_size, code_dim=args.code_dim, groups=min(8, blocks[0]))

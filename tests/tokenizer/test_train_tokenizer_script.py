@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vqlcmd.tokenizer import load_tokenizer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tokenizer.py"
@@ -21,3 +23,28 @@ def test_trains_and_saves(tmp_path):
     assert tok.grid == (8, 8) and tok.codebook_size == 32 and tok.channels == 1
     assert tok.identifier == metrics["tokenizer_id"]
     assert metrics["images"] == 1797 and 1 <= metrics["codebook_usage"] <= 32
+
+
+def _parse(*argv):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tokenizer_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.parse_args(["--dataset", "digits", *argv])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--channels", "2"], "invalid choice: 2"),
+    (["--steps", "-3"], "--steps: must be a positive integer, got -3"),
+    (["--lr", "0"], "--lr: must be a finite number > 0"),
+    (["--size", "18"], "--size 18 must be divisible by 4"),
+    (["--channels-per-block", "16,x"], "takes comma-separated integers"),
+    (["--channels-per-block", "16,20"], "each must be a positive multiple of 8"),
+])
+def test_bad_arguments_are_refused_before_training(argv, message, capsys):
+    # before, --size 18 trained and then failed on a tensor shape; --steps -3 saved an untrained model
+    with pytest.raises(SystemExit) as exc:
+        _parse(*argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert _parse("--size", "16", "--channels-per-block", "8,16").blocks == (8, 16)
