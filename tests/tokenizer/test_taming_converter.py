@@ -79,6 +79,23 @@ def test_checkpoint_with_pickled_objects_is_refused_by_the_weights_only_load(tmp
         convert_taming_checkpoint(path, tmp_path / "vq", SMALL)
 
 
+def test_damaged_or_foreign_files_are_named(tmp_path):
+    _, ckpt, state = _checkpoint(tmp_path, SMALL)
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"is not a readable torch checkpoint \(truncated"):
+        convert_taming_checkpoint(ckpt, tmp_path / "vq", SMALL)
+    ckpt.write_bytes(b"garbage" * 10)
+    with pytest.raises(ValueError, match=r"is not a torch checkpoint \(starts with b'garb'\)"):
+        convert_taming_checkpoint(ckpt, tmp_path / "vq", SMALL)
+    # an attention projection that is not a 1x1 convolution: a bare reshape error named no tensor
+    key = next(k for k in state if k.endswith(".attn_1.q.weight") or k.endswith(".q.weight"))
+    state[key] = torch.zeros(*state[key].shape[:2], 3, 3)
+    torch.save({"state_dict": state}, ckpt)
+    with pytest.raises(ValueError, match=key.replace(".", r"\.") + r": expected a 1x1 convolution"):
+        convert_taming_checkpoint(ckpt, tmp_path / "vq", SMALL)
+
+
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.ckpt"):
         convert_taming_checkpoint(tmp_path / "nope.ckpt", tmp_path / "vq", SMALL)

@@ -106,6 +106,9 @@ def taming_to_diffusers_state_dict(state: dict, levels: int) -> tuple[dict, list
             unknown.append(k)
             continue
         if ".attentions." in new and new.endswith(".weight") and "group_norm" not in new:
+            if v.dim() != 4 or v.shape[2:] != (1, 1):
+                raise ValueError(f"taming checkpoint tensor {k}: expected a 1x1 convolution (C, C, 1, 1), got shape "
+                                 f"{tuple(v.shape)}")
             v = v.reshape(v.shape[0], v.shape[1])  # 1x1 conv (C, C, 1, 1) -> linear (C, C)
         out[new] = v
     if unknown:
@@ -118,8 +121,15 @@ def load_taming_state_dict(path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"taming checkpoint {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch's zip format, or a legacy pickle
+        raise ValueError(f"taming checkpoint {path} is not a torch checkpoint (starts with {head!r})")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (EOFError, RuntimeError) as e:  # cut off, or not a torch file at all
+        raise ValueError(f"taming checkpoint {path} is not a readable torch checkpoint (truncated or another "
+                         f"format): {str(e).splitlines()[0]}") from None
     except pickle.UnpicklingError as e:
         raise ValueError(f"taming checkpoint {path} holds Python objects that a weights-only load refuses "
                          f"({str(e).splitlines()[0]}). Re-save only its weights, e.g. "
