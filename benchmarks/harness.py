@@ -46,10 +46,12 @@ class Context:
     device: torch.device
     quick: bool = False  # tiny shapes and few repetitions: proves the harness works (CI)
     backends: Optional[list[str]] = None  # restrict to these backends (None = all available)
+    asked: set = field(default_factory=set)  # every backend a stage asked about: run.py names --backend typos
 
     def wants(self, backend: str, *, baseline: bool = False) -> bool:
         """Whether to measure ``backend``. A stage passes ``baseline=True`` for its baseline,
         which is measured whatever ``--backend`` says, so every speed-up has its reference."""
+        self.asked.add(backend)
         return baseline or self.backends is None or backend in self.backends
 
     @property

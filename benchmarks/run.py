@@ -37,10 +37,10 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 
 from benchmarks.harness import Context, Result, Skip, StageSkipped, describe_error  # noqa: E402
+from vqlcmd.cli import positive_int  # noqa: E402
 
 # cheap, self-contained stages first so that a slow or crashing one late in the run costs least
-PREFERRED_ORDER = ("attention", "noise_embeddings", "ddim_teacher_step", "categorical_kl", "compiled_ops",
-                   "softmax_embedding_average", "denoiser", "optimizer", "train_step", "sampling", "data", "zero")
+PREFERRED_ORDER = ("attention", "compiled_ops", "softmax_embedding_average", "denoiser", "optimizer", "train_step", "sampling", "data", "zero")
 DEFAULT_OUT = HERE / "results" / "results.local.jsonl"
 ROW_FIELDS = ("stage", "case", "backend", "shape", "dtype", "status", "median_ms", "spread_ms", "peak_mem_bytes",
               "reps", "baseline", "speedup", "extra", "reason", "device", "device_name", "torch", "commit",
@@ -225,7 +225,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"results file to append to: .jsonl or .csv (default {DEFAULT_OUT.relative_to(ROOT)})")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice). On a machine shared with other jobs, "
                         "1 avoids OpenMP threads waiting on each other for whole time slices")
     p.add_argument("--list", action="store_true", help="list the stages and exit")
@@ -238,7 +238,11 @@ def main(argv=None) -> int:
     if args.list:
         print("\n".join(known))
         return 0
-    stages = split_list(args.stage) or known
+    stages = split_list(args.stage)
+    if args.stage and not stages:
+        print(f"--stage {args.stage}: no stage named; known: {', '.join(known)}", file=sys.stderr)
+        return 2
+    stages = stages or known
     unknown = [s for s in stages if s not in known]
     if unknown:
         print(f"unknown stage(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
@@ -275,6 +279,11 @@ def main(argv=None) -> int:
 
     print(format_table(records, speedups(records)))
     print(f"\nappended {len(records)} rows to {args.out}")
+    unheard = [b for b in ctx.backends or [] if b not in ctx.asked]
+    if unheard:  # a typo would otherwise look like a run that measured only the baselines
+        print(f"--backend {', '.join(unheard)}: no backend of that name in stage(s) {', '.join(stages)}; theirs: "
+              f"{', '.join(sorted(ctx.asked))}", file=sys.stderr)
+        return 2
     return 0
 
 

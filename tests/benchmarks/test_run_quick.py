@@ -137,3 +137,24 @@ def test_a_broken_stage_becomes_a_failed_row(monkeypatch):
 
 def test_unknown_stage_is_refused():
     assert bench.main(["--stage", "no_such_stage", "--out", "/dev/null"]) == 2
+
+
+def test_an_empty_stage_list_is_refused_not_taken_for_all(capsys):
+    assert bench.main(["--stage", ",", "--out", "/dev/null"]) == 2
+    assert "no stage named" in capsys.readouterr().err
+
+
+def test_a_backend_no_stage_has_is_refused(tmp_path, capsys):
+    # before, a typo measured only the baselines and exited 0
+    assert bench.main(["--stage", "attention", "--quick", "--device", "cpu", "--backend", "spda",
+                       "--out", str(tmp_path / "r.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "--backend spda: no backend of that name in stage(s) attention" in err and "sdpa" in err
+    assert bench.main(["--stage", "attention", "--quick", "--device", "cpu", "--backend", "sdpa",
+                       "--out", str(tmp_path / "r.jsonl")]) == 0
+
+
+def test_threads_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--threads", "-1"])
+    assert exc.value.code == 2 and "must be a positive integer" in capsys.readouterr().err
