@@ -88,8 +88,10 @@ def test_softmax_embedding_average_low_precision_inputs(dtype, gen):
 def test_softmax_embedding_average_shape_errors():
     with pytest.raises(ValueError, match="K=5"):
         ops.softmax_embedding_average(torch.randn(2, 5), torch.randn(6, 3))
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match=r"must be a float tensor \(float32, bfloat16, float16 or float64\), got torch.int64"):
         ops.softmax_embedding_average(torch.randint(0, 3, (2, 5)), torch.randn(5, 3))
+    with pytest.raises(TypeError, match="gelu_tanh takes a floating-point tensor, got list"):
+        ops.gelu_tanh([1.0])
 
 
 # ---- guided_embedding_average -----------------------------------------------------------------
@@ -111,6 +113,11 @@ def test_guided_average_matches_formula(gen):
     torch.testing.assert_close(ops.guided_embedding_average(c, u, table, w), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=">= 0"):
         ops.guided_embedding_average(c, u, table, -1.0)
+    for bad in (float("nan"), float("inf")):  # gave an all-NaN average
+        with pytest.raises(ValueError, match="guidance_scale must be a finite number >= 0"):
+            ops.guided_embedding_average(c, u, table, bad)
+    with pytest.raises(TypeError, match="guidance_scale must be a Python number, got Tensor"):
+        ops.guided_embedding_average(c, u, table, torch.tensor([1.0, 2.0]))
 
 
 # ---- categorical_kl ---------------------------------------------------------------------------
@@ -198,6 +205,13 @@ def test_noise_embeddings_bad_inputs(gen):
         ops.noise_embeddings(tokens.float(), table, alpha, sigma, noise=noise)
     with pytest.raises(ValueError, match="noise must have shape"):
         ops.noise_embeddings(tokens, table, alpha, sigma, noise=noise[:, :2])
+    with pytest.raises(TypeError, match=r"mask_index must be an integer \(a table row\), got 2.7"):
+        ops.noise_embeddings(tokens, table, alpha, sigma, noise=noise, drop_mask=drop, mask_index=2.7)
+    import numpy as np
+
+    a = ops.noise_embeddings(tokens, table, alpha, sigma, noise=noise, drop_mask=drop, mask_index=np.int64(2))
+    torch.testing.assert_close(a, ops.noise_embeddings(tokens, table, alpha, sigma, noise=noise, drop_mask=drop,
+                                                       mask_index=2))
 
 
 # ---- ddim_teacher_step ------------------------------------------------------------------------

@@ -8,6 +8,8 @@ same contract and is tested against ``reference``.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -71,8 +73,10 @@ def guided_embedding_average(
     """
     _checks.check_average_inputs(cond_logits, table)
     _checks.check_logits_pair(cond_logits, uncond_logits)
-    if guidance_scale < 0:
-        raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
+    if not isinstance(guidance_scale, (int, float)) or isinstance(guidance_scale, bool):
+        raise TypeError(f"guidance_scale must be a Python number, got {type(guidance_scale).__name__}")
+    if not (guidance_scale >= 0 and math.isfinite(guidance_scale)):  # NaN/inf gave an all-NaN result
+        raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale}")
     fn = resolve("guided_embedding_average", backend, cond_logits, table)
     return fn(cond_logits, uncond_logits, table, float(guidance_scale))
 
@@ -140,8 +144,9 @@ def gelu_tanh(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     Same values as ``F.gelu(x, approximate="tanh")`` to float32 rounding; differentiable. Not a
     VQ-LCMD op: the compiled backend exists because PyTorch's CPU kernel of it is slow (csrc/gelu_tanh).
     """
-    if not x.is_floating_point():
-        raise TypeError(f"gelu_tanh takes a floating-point tensor, got {x.dtype}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"gelu_tanh takes a floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
     return resolve("gelu_tanh", backend, x)(x)
 
 

@@ -1,6 +1,7 @@
 """Input validation shared by every backend: errors name the argument and the problem."""
 from __future__ import annotations
 
+import operator
 import os
 from typing import Sequence
 
@@ -13,7 +14,7 @@ def check_float(name: str, x: torch.Tensor, *, min_dim: int = 1) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"{name} must be a float tensor (float32, bfloat16, float16 or float64), got {x.dtype}")
     if x.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(x.shape)}")
 
@@ -114,7 +115,9 @@ def check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index
         check_shape("drop_mask", drop_mask, (B, M))
         if mask_index is None:
             raise ValueError("drop_mask given without mask_index (the table row of the [mask] embedding)")
-        if not 0 <= int(mask_index) < table.shape[0]:
+        if isinstance(mask_index, bool) or not hasattr(mask_index, "__index__"):  # int(2.7) would be row 2
+            raise TypeError(f"mask_index must be an integer (a table row), got {mask_index!r}")
+        if not 0 <= operator.index(mask_index) < table.shape[0]:
             raise IndexError(f"mask_index {mask_index} outside the table's rows [0, {table.shape[0]})")
     check_same_device(tokens=tokens, table=table, alpha=alpha, sigma=sigma, noise=noise, drop_mask=drop_mask)
 
