@@ -194,16 +194,18 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+          float: _finite_number,
           str: lambda v: isinstance(v, str),
           dict: lambda v: isinstance(v, dict),
-          tuple: lambda v: isinstance(v, (list, tuple)) and all(_typed_number(x) for x in v)}[hint]
+          tuple: lambda v: isinstance(v, (list, tuple)) and all(_finite_number(x) for x in v)}.get(hint)
+    if ok is None:  # a field of another type: its dataclass checks it
+        return value
     if not ok(value):
         raise ConfigError(f"{where} must be {_TYPE_NAMES[hint]}, got {value!r}")
     return float(value) if hint is float else tuple(value) if hint is tuple else value
 
 
-def _typed_number(x: Any) -> bool:
+def _finite_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
