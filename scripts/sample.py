@@ -196,6 +196,8 @@ def main(argv=None) -> int:
             print(msg, file=sys.stderr)
     pipe = VQLCMDPipeline.from_pretrained(args.pipeline, device=device, dtype=getattr(torch, args.dtype))
     d = pipe.sample_defaults
+    if d.get("sampler") == "maskgit" and (args.sampler or args.final):  # a MaskGIT pipeline has its own sampler
+        raise SystemExit(f"{args.pipeline} holds a MaskGIT model: --sampler and --final do not apply")
     C = pipe.network.config.num_classes
     settings = {
         "pipeline": str(Path(args.pipeline).resolve()), "weights_sha256": weights_digest(Path(args.pipeline)),

@@ -6,11 +6,12 @@ from .embedding import TokenEmbedding, collapse_indicator
 from .model import Denoiser, DenoiserConfig, build_denoiser, preset_config
 from .network import VQLCMDNetwork
 from .pipeline import VQLCMDPipeline
+from .baselines import MaskGITPipeline  # noqa: E402  (imports .pipeline)
 from .samplers import sample_tokens
 from .schedule import ShiftedCosineSchedule
 
 __version__ = "0.1.0"
 
 __all__ = ["ops", "LossConfig", "training_losses", "EMA", "TokenEmbedding", "collapse_indicator", "Denoiser",
-           "DenoiserConfig", "build_denoiser", "preset_config", "VQLCMDNetwork", "VQLCMDPipeline", "sample_tokens",
+           "DenoiserConfig", "build_denoiser", "preset_config", "VQLCMDNetwork", "VQLCMDPipeline", "MaskGITPipeline", "sample_tokens",
            "ShiftedCosineSchedule"]

@@ -71,6 +71,15 @@ class VQLCMDPipeline:
             den_cfg = DenoiserConfig(**config["denoiser"])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{folder / CONFIG}: not a VQ-LCMD pipeline config ({type(exc).__name__}: {exc})") from exc
+        # the folder says which sampler its model was trained for: a MaskGIT model (trained on [mask] ids at
+        # t = 0) gives noise through the diffusion samplers, and a diffusion model cannot unmask
+        from .baselines.maskgit import MaskGITPipeline
+
+        if config.get("method") == "maskgit":
+            cls = cls if issubclass(cls, MaskGITPipeline) else MaskGITPipeline
+        elif issubclass(cls, MaskGITPipeline):
+            raise ValueError(f"{folder}: a {config.get('method', 'vqlcmd')} pipeline, not a MaskGIT one; load it "
+                             "with VQLCMDPipeline.from_pretrained")
         network = VQLCMDNetwork(den_cfg, l2_normalize=config.get("embedding", {}).get("l2_normalize", False))
         try:
             state = load_file(str(folder / WEIGHTS))
@@ -151,15 +160,39 @@ class VQLCMDPipeline:
         tokenizer needed). Defaults for
         ``num_steps``, ``guidance_scale``, ``sampler`` and ``final`` come from the exported config.
         """
-        if output_type not in ("pil", "pt", "tokens"):
-            raise ValueError(f"output_type must be 'pil', 'pt' or 'tokens', got {output_type!r}")
         batch_size = self._batch_size(batch_size)
         d = self.sample_defaults
-        explicit_guidance = guidance_scale is not None
         num_steps = d.get("num_steps", 50) if num_steps is None else num_steps  # 0 is refused, not the default
-        guidance_scale = d.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
         sampler = sampler or d.get("sampler", "ancestral")
         final = final or d.get("final", "sample")
+        labels, n, guidance_scale, generator = self._request(class_labels, num_images, guidance_scale, generator,
+                                                             output_type)
+        table = self.network.embedding.table()
+        denoiser = self._denoiser()
+        bar = None
+        if progress and n > batch_size:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=n, desc=f"{sampler} {num_steps} steps", unit="img")
+        chunks = []
+        with self._autocast():
+            for start, stop, kw in self._chunks(labels, n, batch_size, generator):
+                chunks.append(sample_tokens(denoiser, table, self.schedule, num_steps=num_steps,
+                                            sampler=sampler, guidance_scale=guidance_scale, final=final,
+                                            backend=backend, progress=progress and bar is None, **kw))
+                if bar is not None:
+                    bar.update(stop - start)
+        if bar is not None:
+            bar.close()
+        return self._output(chunks, output_type)
+
+    # ---- shared with MaskGITPipeline: the request's checks, its batches, the output ----------------------
+    def _request(self, class_labels, num_images, guidance_scale, generator, output_type):
+        """(labels (n,) or None, n, ω, generator: one, None or a list of n) from a call's arguments, checked."""
+        if output_type not in ("pil", "pt", "tokens"):
+            raise ValueError(f"output_type must be 'pil', 'pt' or 'tokens', got {output_type!r}")
+        explicit_guidance = guidance_scale is not None
+        guidance_scale = self.sample_defaults.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
         cfg = self.network.config
         if class_labels is not None:
             labels = class_label_tensor(class_labels, num_images)
@@ -178,40 +211,36 @@ class VQLCMDPipeline:
                 if explicit_guidance:
                     raise ValueError("guidance needs class_labels")
                 guidance_scale = 0.0  # the exported default guides; without labels there is nothing to guide to
-        per_image = generator is not None and not isinstance(generator, torch.Generator)
-        if per_image:
+        if generator is not None and not isinstance(generator, torch.Generator):
             generator = list(generator)
             if len(generator) != n:
                 raise ValueError(f"{len(generator)} generators for {n} images: give one per image")
-        table = self.network.embedding.table()
-        denoiser = self._denoiser()
-        bar = None
-        if progress and n > batch_size:
-            from tqdm.auto import tqdm
+        return labels, n, guidance_scale, generator
 
-            bar = tqdm(total=n, desc=f"{sampler} {num_steps} steps", unit="img")
-        chunks = []
-        with self._autocast():
-            for start in range(0, n, batch_size):
-                stop = min(n, start + batch_size)
-                kw = dict(class_labels=labels[start:stop].to(self.device)) if labels is not None else \
-                    dict(num_samples=stop - start)
-                chunks.append(sample_tokens(denoiser, table, self.schedule, num_steps=num_steps,
-                                            sampler=sampler, guidance_scale=guidance_scale, final=final,
-                                            generator=generator[start:stop] if per_image else generator,
-                                            backend=backend, progress=progress and bar is None, **kw))
-                if bar is not None:
-                    bar.update(stop - start)
-        if bar is not None:
-            bar.close()
+    def _chunks(self, labels, n: int, batch_size: int, generator):
+        """(start, stop, the sampler's label / count and generator arguments) for each batch of the n images."""
+        for start in range(0, n, batch_size):
+            stop = min(n, start + batch_size)
+            kw = dict(class_labels=labels[start:stop].to(self.device)) if labels is not None else \
+                dict(num_samples=stop - start)
+            kw["generator"] = generator[start:stop] if isinstance(generator, list) else generator
+            yield start, stop, kw
+
+    def _output(self, chunks: list, output_type: str):
+        """The batches' tokens as ``output_type``: tokens (N, h, w), images in [0, 1] or PIL images."""
+        cfg = self.network.config
         tokens = torch.cat(chunks) if chunks else torch.empty(0, cfg.seq_len, dtype=torch.long, device=self.device)
         tokens = tokens.view(-1, *self.grid)
         if output_type == "tokens":
             return tokens
-        images = self.decode(tokens)
-        if output_type == "pt":
-            return images
-        return to_pil(images)
+        if not len(tokens):  # the tokenizer's decoder cannot reshape an empty batch
+            if self.tokenizer is None:
+                self.decode(tokens)  # raises, naming the missing tokenizer
+            h, w = self.tokenizer.image_size
+            images = torch.empty(0, self.tokenizer.channels, h, w)
+        else:
+            images = self.decode(tokens)
+        return images if output_type == "pt" else to_pil(images)
 
     def _autocast(self):
         dtype = self.network.embedding.weight.dtype

@@ -34,6 +34,15 @@ def randn(shape, generator: Generators, device) -> torch.Tensor:
     return torch.stack([torch.randn(shape[1:], device=device, dtype=torch.float32, generator=g) for g in generator])
 
 
+def rand(shape, generator: Generators, device) -> torch.Tensor:
+    """Uniform [0, 1) float32 draws of ``shape``; a sequence of generators gives row ``i`` from generator ``i``."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(shape, device=device, dtype=torch.float32, generator=generator)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}: give one per sample")
+    return torch.stack([torch.rand(shape[1:], device=device, dtype=torch.float32, generator=g) for g in generator])
+
+
 def multinomial_rows(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
     """One draw per (B, M) position from probs (B, M, K) -> (B, M) int64; per-sample generators as ``randn``."""
     B, M, K = probs.shape

@@ -30,3 +30,12 @@ def test_report_writes_grid_and_json_and_scores_digits_shards_given_by_path(tiny
     report = final_report(trainer, per_class=2)
     assert report["num_samples"] == 8 and 0.0 <= report["accuracy"] <= 1.0 and report["spread_ratio"] >= 0
     assert "classifier accuracy" in capsys.readouterr().out
+
+
+def test_a_maskgit_run_reports_its_own_sampler(tiny_config):
+    # the report read the diffusion sampler's settings (ancestral, 50 steps) for samples MaskGIT drew in 8
+    ds, cfg = load_config(str(tiny_config(steps=1, method="maskgit", maskgit={"num_steps": 3})))
+    trainer = Trainer(ds, cfg, log=lambda *a, **k: None)
+    trainer.train(progress=False)
+    report = final_report(trainer, per_class=1)
+    assert (report["sampler"], report["num_steps"]) == ("maskgit", 3)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from ..diffusion.losses import drop_labels
 from ..network import VQLCMDNetwork
-from ..pipeline import VQLCMDPipeline, class_label_tensor, to_pil
-from ..samplers import resolve_labels
+from ..pipeline import VQLCMDPipeline
+from ..samplers import Generators, multinomial_rows, rand, resolve_labels
 
 MASK_SCHEDULES = ("cosine", "arccos", "linear", "square")
 
@@ -120,8 +120,8 @@ def maskgit_losses(net: VQLCMDNetwork, tokens: torch.Tensor, labels: Optional[to
     return {"loss": ce, "ce": ce.detach(), "mask_ratio": mask.float().mean().detach()}
 
 
-def _gumbel(shape, device, generator) -> torch.Tensor:
-    u = torch.rand(shape, device=device, generator=generator).clamp(1e-20, 1.0 - 1e-7)
+def _gumbel(shape, device, generator: Generators) -> torch.Tensor:
+    u = rand(shape, generator, device).clamp(1e-20, 1.0 - 1e-7)
     return -torch.log(-torch.log(u))
 
 
@@ -162,7 +162,7 @@ def maskgit_sample(net: VQLCMDNetwork, *, class_labels: Optional[torch.Tensor] =
         else:
             logits = den(z, t, y).float()
         probs = torch.softmax(logits * cfg.softmax_temperature, dim=-1)  # (B, M, K)
-        pred = torch.multinomial(probs.reshape(-1, K), 1, generator=generator).view(B, M)
+        pred = multinomial_rows(probs, generator)  # (B, M)
         conf = torch.log(probs.gather(-1, pred[..., None])[..., 0].clamp_min(1e-30))  # (B, M)
         if cfg.gumbel_temperature > 0:
             conf = conf + cfg.gumbel_temperature * (1.0 - n / N) * _gumbel((B, M), device, generator)
@@ -185,42 +185,23 @@ class MaskGITPipeline(VQLCMDPipeline):
         if maskgit is None:
             maskgit = MaskGITConfig(**self.extra_config.get("maskgit", {}))
         self.maskgit = maskgit
+        # what scripts/sample.py's manifest and the end-of-run report record as the sampler
+        self.sample_defaults = {**self.sample_defaults, "sampler": "maskgit", "num_steps": maskgit.num_steps}
         self.extra_config["method"] = "maskgit"
         self.extra_config["maskgit"] = maskgit.to_dict()
 
     @torch.no_grad()
     def __call__(self, class_labels=None, *, num_images: Optional[int] = None, num_steps: Optional[int] = None,
-                 guidance_scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                 guidance_scale: Optional[float] = None, generator: Generators = None,
                  batch_size: Optional[int] = None, output_type: str = "pil", progress: bool = False, **_ignored):
-        """As ``VQLCMDPipeline.__call__``; ``num_steps`` defaults to the MaskGIT config's, and the continuous
-        samplers' options (``sampler``, ``final``, ``backend``) do not apply."""
-        if output_type not in ("pil", "pt", "tokens"):
-            raise ValueError(f"output_type must be 'pil', 'pt' or 'tokens', got {output_type!r}")
-        guidance_scale = self.sample_defaults.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
-        cfg = self.network.config
-        if class_labels is not None:
-            labels = class_label_tensor(class_labels, num_images)
-            if cfg.num_classes == 0:
-                raise ValueError("this pipeline is unconditional: pass num_images, not class_labels")
-            n = labels.numel()
-        else:
-            if num_images is None:
-                raise ValueError("give class_labels (conditional model) or num_images")
-            if num_images < 0:
-                raise ValueError(f"num_images must be >= 0, got {num_images}")
-            labels, n = None, num_images
-            if cfg.num_classes > 0 and guidance_scale > 0:
-                raise ValueError("guidance needs class_labels")
+        """As ``VQLCMDPipeline.__call__`` (the same checks, per-image generators and outputs); ``num_steps``
+        defaults to the MaskGIT config's, and the continuous samplers' options (``sampler``, ``final``,
+        ``backend``) do not apply."""
         batch_size = self._batch_size(batch_size)
-        chunks = []
-        for start in range(0, n, batch_size):
-            stop = min(n, start + batch_size)
-            kw = dict(class_labels=labels[start:stop]) if labels is not None else dict(num_samples=stop - start)
-            chunks.append(maskgit_sample(self.network, num_steps=self.maskgit.num_steps if num_steps is None else num_steps,
-                                         guidance_scale=guidance_scale, cfg=self.maskgit, generator=generator, **kw))
-        tokens = torch.cat(chunks) if chunks else torch.empty(0, cfg.seq_len, dtype=torch.long)
-        tokens = tokens.view(-1, *self.grid)
-        if output_type == "tokens":
-            return tokens
-        images = self.decode(tokens)
-        return images if output_type == "pt" else to_pil(images)
+        num_steps = self.maskgit.num_steps if num_steps is None else num_steps
+        labels, n, guidance_scale, generator = self._request(class_labels, num_images, guidance_scale, generator,
+                                                             output_type)
+        chunks = [maskgit_sample(self.network, num_steps=num_steps, guidance_scale=guidance_scale, cfg=self.maskgit,
+                                 **kw)
+                  for _, _, kw in self._chunks(labels, n, batch_size, generator)]
+        return self._output(chunks, output_type)

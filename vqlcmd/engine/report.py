@@ -21,7 +21,7 @@ def final_report(trainer, per_class: int = 50) -> dict:
     from torchvision.utils import save_image
 
     pipe = trainer.pipeline()
-    s = trainer.cfg.sample
+    s = pipe.sample_defaults  # what the pipeline samples with (MaskGIT's sampler and steps for its runs)
     C = trainer.net.config.num_classes
     t0 = time.perf_counter()
     g = torch.Generator(device=trainer.device).manual_seed(2024)
@@ -37,14 +37,14 @@ def final_report(trainer, per_class: int = 50) -> dict:
 
     K = trainer.net.config.codebook_size
     report = {"step": trainer.step, "grid": str(grid),
-              "collapse_indicator": collapse_indicator(trainer.net.embedding.table()[:K]), "num_steps": s.num_steps, "guidance_scale": s.guidance_scale,
-              "sampler": s.sampler, "sampling_seconds": round(seconds, 1)}
+              "collapse_indicator": collapse_indicator(trainer.net.embedding.table()[:K]), "num_steps": s["num_steps"],
+              "guidance_scale": s["guidance_scale"], "sampler": s["sampler"], "sampling_seconds": round(seconds, 1)}
     if on_digits(trainer):
         from ..metrics.digits import evaluate_digit_samples
 
         report.update(evaluate_digit_samples(images, labels))
-        print(f"digits: {report['num_samples']} samples ({s.sampler}, {s.num_steps} steps, guidance "
-              f"{s.guidance_scale}): classifier accuracy {100 * report['accuracy']:.1f}%, within-class spread "
+        print(f"digits: {report['num_samples']} samples ({s['sampler']}, {s['num_steps']} steps, guidance "
+              f"{s['guidance_scale']}): classifier accuracy {100 * report['accuracy']:.1f}%, within-class spread "
               f"{report['spread_ratio']:.2f}x the real digits'")
     print(f"embedding collapse indicator (mean pairwise distance / mean norm; ~1.41 random, 0 collapsed): "
           f"{report['collapse_indicator']:.3f}")

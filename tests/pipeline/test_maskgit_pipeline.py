@@ -1,0 +1,64 @@
+"""MaskGITPipeline: loaded by the folder's method, and the same request checks, generators and outputs as
+VQLCMDPipeline (the shared ``_request`` / ``_chunks`` / ``_output``)."""
+import json
+
+import pytest
+import torch
+
+from vqlcmd import MaskGITPipeline, VQLCMDPipeline
+from vqlcmd.baselines import MaskGITConfig
+from vqlcmd.pipeline import image_generators
+
+LABELS = [0, 1, 2, 3, 0, 1, 2]
+
+
+@pytest.fixture
+def maskgit(tiny_pipeline):
+    p = tiny_pipeline
+    return MaskGITPipeline(p.network, p.schedule, tokenizer=p.tokenizer, tokenizer_ref=p.tokenizer_ref,
+                           class_names=p.class_names, sample_defaults={"guidance_scale": 1.0},
+                           maskgit=MaskGITConfig(num_steps=3))
+
+
+def test_a_maskgit_folder_loads_as_maskgit(maskgit, tiny_pipeline, tmp_path):
+    # VQLCMDPipeline.from_pretrained returned a diffusion pipeline for it: scripts/sample.py then drew noise
+    # from a model trained to unmask
+    folder = maskgit.save_pretrained(tmp_path / "mg")
+    assert json.loads((folder / "config.json").read_text())["method"] == "maskgit"
+    loaded = VQLCMDPipeline.from_pretrained(folder)
+    assert type(loaded) is MaskGITPipeline and loaded.maskgit.num_steps == 3
+    assert loaded.sample_defaults["sampler"] == "maskgit" and loaded.sample_defaults["num_steps"] == 3
+    kw = dict(output_type="tokens", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded(LABELS, **kw), maskgit(LABELS, output_type="tokens",
+                                                     generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match="a vqlcmd pipeline, not a MaskGIT one"):
+        MaskGITPipeline.from_pretrained(tiny_pipeline.save_pretrained(tmp_path / "lcmd"))
+
+
+def test_per_image_generators_do_not_depend_on_batching(maskgit):
+    seeds = [3, 4, 5, 6, 7, 8, 9]
+    whole = maskgit(LABELS, generator=image_generators(seeds), batch_size=7, output_type="tokens")
+    chunked = maskgit(LABELS, generator=image_generators(seeds), batch_size=3, output_type="tokens")
+    tail = maskgit(LABELS[4:], generator=image_generators(seeds[4:]), batch_size=2, output_type="tokens")
+    assert torch.equal(whole, chunked) and torch.equal(whole[4:], tail)
+    assert len({tuple(t.flatten().tolist()) for t in whole}) > 1
+    with pytest.raises(ValueError, match="2 generators for 7 images"):
+        maskgit(LABELS, generator=image_generators([1, 2]))
+
+
+def test_the_same_checks_as_the_diffusion_pipeline(maskgit):
+    with pytest.raises(ValueError, match=r"class_labels must be in \[0, 4\)"):
+        maskgit([4])  # the null class was accepted
+    # the exported guidance is dropped for unlabelled draws, as VQLCMDPipeline does (was "guidance needs labels")
+    assert maskgit(num_images=2, output_type="tokens").shape == (2, 4, 4)
+    with pytest.raises(ValueError, match="guidance needs class_labels"):
+        maskgit(num_images=2, guidance_scale=1.0)
+
+
+@pytest.mark.parametrize("which", ["maskgit", "lcmd"])
+def test_zero_images_in_every_output_type(which, maskgit, tiny_pipeline):
+    pipe = maskgit if which == "maskgit" else tiny_pipeline
+    # "pt" and "pil" failed inside the tokenizer's decoder on an empty batch
+    assert pipe(num_images=0, output_type="pt").shape == (0, 1, 16, 16)
+    assert pipe(num_images=0, output_type="pil") == []
+    assert pipe([], output_type="tokens").shape == (0, 4, 4)
