@@ -179,3 +179,23 @@ def test_a_micro_batch_the_data_cannot_fill_is_a_config_error(tmp_path, tiny_sha
     with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=200: 96 samples cannot fill one batch"):
         Trainer({**ds, "train_micro_batch_size_per_gpu": 200}, cfg, log=lambda *a, **k: None)
 
+
+
+def test_resume_with_another_number_of_ranks_is_refused_up_front(tmp_path, tiny_shards, trainer):
+    import shutil
+
+    trainer(tmp_path, tiny_shards, steps=2).train(progress=False)
+    step = tmp_path / "run" / "checkpoints" / "step_0000002"
+    # as a two-rank run leaves it: DeepSpeed's error named a DP world size, with advice about corrupt files
+    shutil.copy(step / "rank_00000_state.pt", step / "rank_00001_state.pt")
+    with pytest.raises(ConfigError, match=r"step_0000002 was written by 2 rank\(s\) but this run has 1; resume "
+                                          r"with the same number \(deepspeed --num_gpus 2"):
+        trainer(tmp_path, tiny_shards, steps=3)
+
+
+def test_compile_keeps_the_checkpoint_keys(tmp_path, tiny_shards, trainer):
+    # torch.compile(module) wrapped the denoiser: its keys became net.denoiser._orig_mod.*, so a checkpoint
+    # written with train.compile could not be resumed without it, nor the reverse
+    plain = trainer(tmp_path / "a", tiny_shards, steps=1)
+    compiled = trainer(tmp_path / "b", tiny_shards, steps=1, compile=True)
+    assert list(compiled.engine.module.state_dict()) == list(plain.engine.module.state_dict())

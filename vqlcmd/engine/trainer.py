@@ -131,7 +131,9 @@ class Trainer:
         self.teacher.module.to(self.device)
         self.sampling_ema.module.to(self.device)
         if cfg.train.compile:
-            net.denoiser = torch.compile(net.denoiser)
+            # in place: torch.compile(module) would wrap it, and its state-dict keys (_orig_mod.*) would no
+            # longer match a checkpoint written without compile, nor the other way round
+            net.denoiser.compile()
         optimizer = build_optimizer(module.parameters(), cfg.optimizer, self.device)
         scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
@@ -238,16 +240,18 @@ class Trainer:
         batches = self.loader.forever()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress or self.rank != 0, desc="train",
                    dynamic_ncols=True)
-        t_last, step_last = time.perf_counter(), self.step
+        # throughput counts the training steps only: a sample grid or checkpoint between two logs made it dip
+        train_seconds, step_last = 0.0, self.step
         while self.step < stop:
-            terms = self.train_step(batches)
+            t0 = time.perf_counter()
+            terms = self.train_step(batches)  # ends in a read-back of the losses: the step is done
+            train_seconds += time.perf_counter() - t0
             history.append({"step": self.step, **terms})
             bar.update(1)
             bar.set_postfix({k: f"{v:.3g}" for k, v in terms.items()})
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                now = time.perf_counter()
-                rate = (self.step - step_last) * self.micro * self.gas * self.world / max(now - t_last, 1e-9)
-                t_last, step_last = now, self.step
+                rate = (self.step - step_last) * self.micro * self.gas * self.world / max(train_seconds, 1e-9)
+                train_seconds, step_last = 0.0, self.step
                 self._log_scalars(terms, rate)
             if cfg.sample_every and self.step % cfg.sample_every == 0 and self.step != cfg.steps:
                 self.save_sample_grid()
@@ -375,6 +379,10 @@ class Trainer:
                 raise ConfigError(f"{folder} was trained with vqlcmd.{key} = {json.dumps(then[key])} but this run has "
                                   f"{json.dumps(now[key])}; resume with the same, or train in another "
                                   "train.output_dir")
+        ranks = len(list(folder.glob("rank_*_state.pt")))  # one per rank that wrote the checkpoint
+        if ranks and ranks != self.world:  # DeepSpeed's ZeRO state and the loader's position are per rank
+            raise ConfigError(f"{folder} was written by {ranks} rank(s) but this run has {self.world}; resume "
+                              f"with the same number (deepspeed --num_gpus {ranks}, or as many nodes x GPUs)")
         micro = saved.get("train_micro_batch_size_per_gpu")
         if micro is not None and micro != ds["train_micro_batch_size_per_gpu"]:
             raise ConfigError(f"{folder} was trained with train_micro_batch_size_per_gpu={micro} but this run has "
