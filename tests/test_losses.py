@@ -123,6 +123,9 @@ def test_ablation_switches():
     vlb = training_losses(net, teacher, ShiftedCosineSchedule(), x, y, LossConfig(weighting="vlb"),
                           generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(vlb["loss"])
+    # the weighted term is logged: the loss is l0 + l_vlb + β_CM l_cm (l_dm alone hid what dominates it)
+    torch.testing.assert_close(vlb["loss"].detach(), vlb["l0"] + vlb["l_vlb"] + vlb["l_cm"])
+    assert "l_vlb" not in out
     with pytest.raises(ValueError, match="drop_strategy"):
         LossConfig(drop_strategy="sometimes")
 

@@ -157,4 +157,7 @@ def training_losses(
     else:
         l_cm = logits_t.new_zeros(())
     loss = l0 + dm_term + cfg.beta_cm * l_cm
-    return {"loss": loss, "l0": l0.detach(), "l_dm": l_dm.detach(), "l_cm": l_cm.detach()}
+    out = {"loss": loss, "l0": l0.detach(), "l_dm": l_dm.detach(), "l_cm": l_cm.detach()}
+    if cfg.weighting == "vlb":  # the weighted term the loss is made of (≈1e6-1e9: the weight at t_min is ~1e11)
+        out["l_vlb"] = dm_term.detach()
+    return out
