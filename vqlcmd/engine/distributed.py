@@ -50,8 +50,9 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def max_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    """``t`` replaced in place by its elementwise maximum over ranks, with no read-back to the host."""
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` replaced in place by its elementwise mean over ranks, with no read-back to the host."""
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        t /= torch.distributed.get_world_size()
     return t

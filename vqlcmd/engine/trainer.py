@@ -26,7 +26,7 @@ from ..schedule import ShiftedCosineSchedule
 from . import checkpoint as ckpt
 from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import resolve_shards
-from .distributed import barrier, init_distributed, max_over_ranks
+from .distributed import barrier, init_distributed, mean_over_ranks
 from .host_memory import keep_freed_memory
 from .optim import build_optimizer, build_scheduler
 from .precision import resolve_bf16
@@ -211,14 +211,15 @@ class Trainer:
         return terms
 
     def _read_terms(self, out: dict) -> dict:
-        """The scalar loss terms as floats, or NonFiniteLossError (on every rank alike) if one is not finite.
+        """The scalar loss terms as floats, averaged over ranks (as the gradients are: rank 0's alone were logged
+        before), or NonFiniteLossError (on every rank alike) if one is not finite on any rank.
 
-        One read-back from the device per micro-step: the terms and the any-rank non-finite flag travel
-        together. Checking and reading each term on its own stalled the host once per term, twice."""
+        One collective and one read-back from the device per micro-step: the terms and the non-finite flag
+        travel together (the flag's mean is > 0 if any rank set it). Checking and reading each term on its
+        own stalled the host once per term, twice."""
         names = list(out)
         values = torch.stack([out[k].detach().float().reshape(()) for k in names])
-        flag = max_over_ranks((~torch.isfinite(values)).any().float().reshape(1))
-        host = torch.cat([flag, values]).tolist()
+        host = mean_over_ranks(torch.cat([(~torch.isfinite(values)).any().float().reshape(1), values])).tolist()
         read = dict(zip(names, host[1:]))
         if host[0]:
             bad = {k: v for k, v in read.items() if not math.isfinite(v)}
