@@ -310,7 +310,8 @@ class Trainer:
         s = self.cfg.sample
         C = self.net.config.num_classes
         g = torch.Generator(device=self.device).manual_seed(1234)
-        steps = s.grid_steps or s.num_steps
+        # previews at sample.grid_steps; MaskGIT's at its own step count (the pipeline's default)
+        steps = None if self.cfg.method == "maskgit" else s.grid_steps or s.num_steps
         if C > 0:
             labels = torch.arange(C).repeat_interleave(s.per_class)
             images = pipe(labels, output_type="pt", generator=g, num_steps=steps)
