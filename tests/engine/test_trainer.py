@@ -199,3 +199,14 @@ def test_compile_keeps_the_checkpoint_keys(tmp_path, tiny_shards, trainer):
     plain = trainer(tmp_path / "a", tiny_shards, steps=1)
     compiled = trainer(tmp_path / "b", tiny_shards, steps=1, compile=True)
     assert list(compiled.engine.module.state_dict()) == list(plain.engine.module.state_dict())
+
+
+def test_a_checkpoint_of_the_old_compile_wrapper_still_loads(tmp_path, tiny_shards, trainer):
+    # until in-place compiling, train.compile saved the denoiser's weights as net.denoiser._orig_mod.*
+    tr = trainer(tmp_path, tiny_shards, steps=1)
+    state = {k: v.clone() for k, v in tr.engine.module.state_dict().items()}
+    old = {k.replace("net.denoiser.", "net.denoiser._orig_mod.", 1): v + 1 for k, v in state.items()}
+    assert any("_orig_mod" in k for k in old)
+    tr.engine.module.load_state_dict(old)
+    for k, v in tr.engine.module.state_dict().items():
+        torch.testing.assert_close(v, state[k] + 1)

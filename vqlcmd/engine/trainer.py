@@ -58,6 +58,15 @@ class LossModule(nn.Module):
                                generator=generator, backend=self.backend)
 
 
+def _strip_compile_prefix(module, state_dict, prefix, *args) -> None:
+    """Load-state-dict pre-hook: ``<prefix>_orig_mod.<name>`` (the keys ``torch.compile(module)`` gave the
+    denoiser's weights, as the trainer compiled it until in-place compiling replaced that) read as
+    ``<prefix><name>``."""
+    old = prefix + "_orig_mod."
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[prefix + key[len(old):]] = state_dict.pop(key)
+
+
 def _setup(key: str, section):
     """What a ``vqlcmd.<key>`` section builds, for comparing a checkpoint's with a run's: the model section as
     its denoiser config (so ``{"depth": 2}`` on a depth-2 preset is no change), others as they are."""
@@ -134,6 +143,8 @@ class Trainer:
             # in place: torch.compile(module) would wrap it, and its state-dict keys (_orig_mod.*) would no
             # longer match a checkpoint written without compile, nor the other way round
             net.denoiser.compile()
+        # checkpoints of compiled runs from before that change hold the wrapper's _orig_mod.* keys
+        net.denoiser.register_load_state_dict_pre_hook(_strip_compile_prefix)
         optimizer = build_optimizer(module.parameters(), cfg.optimizer, self.device)
         scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
@@ -312,6 +323,7 @@ class Trainer:
         g = torch.Generator(device=self.device).manual_seed(1234)
         # previews at sample.grid_steps; MaskGIT's at its own step count (the pipeline's default)
         steps = None if self.cfg.method == "maskgit" else s.grid_steps or s.num_steps
+        shown_steps = pipe.sample_defaults["num_steps"] if steps is None else steps
         if C > 0:
             labels = torch.arange(C).repeat_interleave(s.per_class)
             images = pipe(labels, output_type="pt", generator=g, num_steps=steps)
@@ -324,7 +336,7 @@ class Trainer:
             from torchvision.utils import make_grid
 
             self.tb.add_image("samples", make_grid(images, nrow=s.per_class), self.step)
-        self.log(f"step {self.step}: sample grid ({steps} sampling steps) -> {path}")
+        self.log(f"step {self.step}: sample grid ({shown_steps} sampling steps) -> {path}")
         return path
 
     # ---- checkpoints --------------------------------------------------------------------------
