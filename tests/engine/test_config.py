@@ -158,3 +158,12 @@ def test_cli_names_a_corrupt_shard(tmp_path, tiny_shards, make_config):
     proc = _run_train(make_config(tmp_path, tiny_shards, steps=1))
     assert proc.returncode == 2 and "data error: token shard" in proc.stderr and "checksum mismatch" in proc.stderr
 
+
+def test_a_retired_key_of_an_older_saved_config_is_ignored_with_a_warning():
+    # every run's config.json from before data.num_workers was removed holds it; relaunching one must work
+    with pytest.warns(UserWarning, match=r"vqlcmd\.data\.num_workers is no longer used and is ignored"):
+        cfg = parse_vqlcmd_section({"data": {"num_workers": 2, "dataset": "digits"}})
+    assert cfg.data.dataset == "digits"
+    with pytest.raises(ConfigError, match=r"unknown key vqlcmd\.train\.num_workers"):
+        parse_vqlcmd_section({"train": {"num_workers": 2}})
+

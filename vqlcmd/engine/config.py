@@ -12,6 +12,7 @@ import json
 import math
 import os
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -164,6 +165,10 @@ def _build(cls, data: Any, where: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    retired = [k for k in data if k in _RETIRED.get(where, ())]
+    if retired:  # written into every run's saved config.json by earlier versions: relaunching one must work
+        warnings.warn(f"{where}.{retired[0]} is no longer used and is ignored", stacklevel=3)
+        data = {k: v for k, v in data.items() if k not in retired}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"unknown key {where}.{unknown[0]} (known keys of {where}: {', '.join(fields)})")
@@ -179,6 +184,9 @@ def _build(cls, data: Any, where: str):
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
+
+# keys that earlier versions had (and wrote into saved configs) and that nothing reads any more
+_RETIRED = {"vqlcmd.data": ("num_workers",)}
 
 _TYPE_NAMES = {bool: "true or false (JSON, lower case)", int: "an integer", float: "a finite number", str: "a string",
                dict: "a JSON object", tuple: "a list of numbers"}
