@@ -122,3 +122,32 @@ def test_a_size_the_tokenizer_does_not_take_is_refused_up_front(setup, tmp_path)
     images, vq, base = setup
     with pytest.raises(SystemExit, match=r"--size 32: tokenizer .* takes 16x16 images"):
         _script_main()(["--images", str(images), "--tokenizer", str(vq), "--out", str(tmp_path / "o"), "--size", "32"])
+
+
+def test_a_moved_tree_and_shards_from_before_the_digest_are_kept(setup, tmp_path, capsys):
+    import shutil
+
+    from vqlcmd.data.shards import open_shard, write_shard
+
+    images, vq, base = setup
+    main = _script_main()
+    out = tmp_path / "out"
+    argv = ["--tokenizer", str(vq), "--out", str(out), "--backend", "pil", "--device", "cpu", "--no-progress",
+            "--shard-size", "4"]
+    main(argv + ["--images", str(images)])
+    # the same images under another mount point: the digest uses paths within the tree, so nothing is redone
+    moved = shutil.copytree(images, tmp_path / "moved")
+    assert main(argv + ["--images", str(moved)])["shard"]["written"] == 0
+    # a shard written before the header had files_sha256 keeps the checks it was made under
+    s = open_shard(out / "shard-00000.vqtok")
+    header = {k: v for k, v in s.header.items() if k != "files_sha256"}
+    tokens, labels = np.array(s.tokens), np.array(s.labels)
+    del s  # the memory map
+    write_shard(out / "shard-00000.vqtok", tokens, labels, header)
+    capsys.readouterr()
+    assert main(argv + ["--images", str(moved)])["shard"]["written"] == 0
+    # another tree: the log says why existing shards are redone (the legacy shard-00000 cannot tell, and stays)
+    other = write_tree(tmp_path / "other", sizes=[(40 + i, 50) for i in range(7)])
+    assert main(argv + ["--images", str(other)])["shard"]["written"] == 1
+    assert "keeping 1 finished shard shard(s), making 1 (redoing existing ones: another files_sha256)" in \
+        capsys.readouterr().out

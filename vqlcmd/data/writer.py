@@ -21,16 +21,31 @@ def shard_path(out_dir, index: int, prefix: str = "shard") -> Path:
     return Path(out_dir) / f"{prefix}-{index:05d}{SUFFIX}"
 
 
-def _is_done(path: Path, header: dict, count: int) -> bool:
-    """Whether ``path`` is a finished shard of this run: intact, as long as its range, and written with every
-    header value this run writes (tokenizer, source and its file list, image size, channels, flip, ...)."""
+# Header values a finished shard need not share with the run: where the tree was mounted (its file list's
+# digest, which uses paths relative to the tree, says whether it holds the same images)
+_NOT_COMPARED = ("source",)
+# Added to the header later: shards written before lack it, and keep the checks they were made under
+_LEGACY_OPTIONAL = ("files_sha256",)
+
+
+def _redo_reason(path: Path, header: dict, count: int):
+    """None if ``path`` is a finished shard of this run: intact, as long as its range, and written with the
+    header values this run writes (tokenizer, the tree's file list, image size, channels, flip, ...); else
+    why it is (re)made."""
     if not path.exists():
-        return False
+        return "missing"
     try:
         s = open_shard(path)
-    except ShardError:
-        return False  # a corrupt or foreign leftover is redone, not trusted
-    return all(s.header.get(k) == v for k, v in header.items()) and len(s) == count
+    except ShardError as exc:
+        return f"unreadable ({exc})"  # a corrupt or foreign leftover is redone, not trusted
+    if len(s) != count:
+        return f"{len(s)} samples, not {count}"
+    for k, v in header.items():
+        if k in _NOT_COMPARED or (k in _LEGACY_OPTIONAL and k not in s.header):
+            continue
+        if s.header.get(k) != v:
+            return f"another {k}"
+    return None
 
 
 def _index(path: Path, prefix: str) -> int:
@@ -63,9 +78,12 @@ def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, hea
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     ranges = [(i, s, min(s + shard_size, count)) for i, s in enumerate(range(0, count, shard_size))]
     _refuse_stale(out_dir, prefix, len(ranges))
-    todo = [r for r in ranges if not _is_done(shard_path(out_dir, r[0], prefix), header, r[2] - r[1])]
-    if len(todo) < len(ranges):
-        log(f"{out_dir}: keeping {len(ranges) - len(todo)} finished {prefix} shard(s), making {len(todo)}")
+    reasons = {r: _redo_reason(shard_path(out_dir, r[0], prefix), header, r[2] - r[1]) for r in ranges}
+    todo = [r for r in ranges if reasons[r] is not None]
+    redo = {why for why in reasons.values() if why not in (None, "missing")}
+    if len(todo) < len(ranges) or redo:  # say why existing shards are not kept: a redo can take hours
+        why = f" (redoing existing ones: {'; '.join(sorted(redo)[:3])})" if redo else ""
+        log(f"{out_dir}: keeping {len(ranges) - len(todo)} finished {prefix} shard(s), making {len(todo)}{why}")
     bar = None
     if progress and todo:
         from tqdm import tqdm
