@@ -279,11 +279,13 @@ def main(argv=None) -> int:
 
     print(format_table(records, speedups(records)))
     print(f"\nappended {len(records)} rows to {args.out}")
-    unheard = [b for b in ctx.backends or [] if b not in ctx.asked]
-    if unheard:  # a typo would otherwise look like a run that measured only the baselines
-        print(f"--backend {', '.join(unheard)}: no backend of that name in stage(s) {', '.join(stages)}; theirs: "
-              f"{', '.join(sorted(ctx.asked))}", file=sys.stderr)
-        return 2
+    seen = ctx.asked | {r.backend for r in records}
+    unheard = [b for b in ctx.backends or [] if b not in seen]
+    if unheard:
+        # a typo would otherwise look like a run that measured only the baselines. A warning, not exit 2:
+        # stages only ask about the backends this machine could run (no sdpa-flash on a CPU)
+        print(f"warning: --backend {', '.join(unheard)}: no stage of this run measured or skipped a backend of "
+              f"that name; they know {', '.join(sorted(seen))} here", file=sys.stderr)
     return 0
 
 
