@@ -207,10 +207,13 @@ class VQLCMDPipeline:
             if num_images < 0:
                 raise ValueError(f"num_images must be >= 0, got {num_images}")
             labels, n = None, num_images
-            if guidance_scale > 0 and cfg.num_classes > 0:
+            if guidance_scale > 0:
                 if explicit_guidance:
-                    raise ValueError("guidance needs class_labels")
-                guidance_scale = 0.0  # the exported default guides; without labels there is nothing to guide to
+                    raise ValueError("guidance needs class_labels" if cfg.num_classes else
+                                     "guidance needs a class-conditional model; this one is unconditional")
+                # the exported default (sample.guidance_scale, 1.0 unless set) guides; without labels, or
+                # classes, there is nothing to guide to
+                guidance_scale = 0.0
         if generator is not None and not isinstance(generator, torch.Generator):
             generator = list(generator)
             if len(generator) != n:

@@ -116,8 +116,12 @@ def test_guided_average_matches_formula(gen):
     for bad in (float("nan"), float("inf")):  # gave an all-NaN average
         with pytest.raises(ValueError, match="guidance_scale must be a finite number >= 0"):
             ops.guided_embedding_average(c, u, table, bad)
-    with pytest.raises(TypeError, match="guidance_scale must be a Python number, got Tensor"):
+    with pytest.raises(TypeError, match="guidance_scale must be a real number, got Tensor"):
         ops.guided_embedding_average(c, u, table, torch.tensor([1.0, 2.0]))
+    import numpy as np
+
+    for same in (np.float32(1.5), torch.tensor(1.5)):  # accepted before the checks were added
+        torch.testing.assert_close(ops.guided_embedding_average(c, u, table, same), expected, rtol=1e-5, atol=1e-5)
 
 
 # ---- categorical_kl ---------------------------------------------------------------------------

@@ -180,3 +180,17 @@ def test_cuda_graphs_sample_like_eager(tiny_pipeline, tmp_path):
     for _ in range(2):  # the first call records the graphs, the second replays them
         graphed = pipe(LABELS, generator=g(), **kw)
         assert (eager == graphed).float().mean() > 0.9
+
+
+def test_an_unconditional_model_ignores_the_exported_guidance_default():
+    # sample.guidance_scale defaults to 1.0, which an unconditional model's pipeline exported and then refused
+    # (its previews and every call without an explicit ω raised)
+    from vqlcmd import VQLCMDNetwork, preset_config
+    from vqlcmd.schedule import ShiftedCosineSchedule
+
+    torch.manual_seed(0)
+    pipe = VQLCMDPipeline(VQLCMDNetwork(preset_config("tiny", num_classes=0)), ShiftedCosineSchedule(),
+                          sample_defaults={"num_steps": 2, "guidance_scale": 1.0})
+    assert pipe(num_images=3, output_type="tokens", generator=G()).shape == (3, 4, 4)
+    with pytest.raises(ValueError, match="guidance needs a class-conditional model; this one is unconditional"):
+        pipe(num_images=3, guidance_scale=1.0, output_type="tokens")

@@ -65,8 +65,8 @@ def list_images(root, *, check: str = "header") -> ImageList:
                  and not p.name.startswith(".")]
         if loose:  # as class folders they would be left out, silently
             raise ValueError(f"image folder {str(root)!r} holds {len(loose)} image(s) (e.g. {sorted(loose)[0]}) beside "
-                             f"its subfolders {subdirs[:5]}: a tree is either flat (one class, subfolders "
-                             "included) or one subfolder per class with no images at its top")
+                             f"its subfolders {subdirs[:5]}: a tree is either flat (unconditional: images only, no "
+                             "subfolders) or one subfolder per class with no images at its top")
         class_names = subdirs
         pairs = [(str(p), c) for c, name in enumerate(subdirs) for p in _image_files(root / name)]
     else:
