@@ -25,31 +25,40 @@ SAMPLERS = ("ancestral", "ddim")
 Generators = Union[None, torch.Generator, Sequence[torch.Generator]]
 
 
+def _one(generator: Generators) -> bool:
+    """Whether ``generator`` serves the whole batch (one generator, or None); else it must hold one per row."""
+    return generator is None or isinstance(generator, torch.Generator)
+
+
+def _check_rows(generator: Sequence[torch.Generator], rows: int) -> None:
+    if len(generator) != rows:
+        raise ValueError(f"{len(generator)} generators for a batch of {rows}: give one per sample")
+
+
+def _draw(fn, shape, generator: Generators, device) -> torch.Tensor:
+    """``fn`` (torch.randn, torch.rand) float32 draws of ``shape``; per-sample generators give row ``i``."""
+    if _one(generator):
+        return fn(shape, device=device, dtype=torch.float32, generator=generator)
+    _check_rows(generator, shape[0])
+    return torch.stack([fn(shape[1:], device=device, dtype=torch.float32, generator=g) for g in generator])
+
+
 def randn(shape, generator: Generators, device) -> torch.Tensor:
     """Standard normal float32 draws of ``shape``; a sequence of generators gives row ``i`` from generator ``i``."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.randn(shape, device=device, dtype=torch.float32, generator=generator)
-    if len(generator) != shape[0]:
-        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}: give one per sample")
-    return torch.stack([torch.randn(shape[1:], device=device, dtype=torch.float32, generator=g) for g in generator])
+    return _draw(torch.randn, shape, generator, device)
 
 
 def rand(shape, generator: Generators, device) -> torch.Tensor:
-    """Uniform [0, 1) float32 draws of ``shape``; a sequence of generators gives row ``i`` from generator ``i``."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(shape, device=device, dtype=torch.float32, generator=generator)
-    if len(generator) != shape[0]:
-        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}: give one per sample")
-    return torch.stack([torch.rand(shape[1:], device=device, dtype=torch.float32, generator=g) for g in generator])
+    """Uniform [0, 1) float32 draws of ``shape``; per-sample generators as ``randn``."""
+    return _draw(torch.rand, shape, generator, device)
 
 
 def multinomial_rows(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
     """One draw per (B, M) position from probs (B, M, K) -> (B, M) int64; per-sample generators as ``randn``."""
     B, M, K = probs.shape
-    if generator is None or isinstance(generator, torch.Generator):
+    if _one(generator):
         return torch.multinomial(probs.reshape(-1, K), 1, generator=generator).view(B, M)
-    if len(generator) != B:
-        raise ValueError(f"{len(generator)} generators for a batch of {B}: give one per sample")
+    _check_rows(generator, B)
     return torch.stack([torch.multinomial(probs[i], 1, generator=g).view(M) for i, g in enumerate(generator)])
 
 
