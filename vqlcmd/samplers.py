@@ -7,14 +7,13 @@ batched forward.
 """
 from __future__ import annotations
 
-import math
-
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from . import ops
 from .model import Denoiser
+from .ops._checks import checked_guidance
 from .ops.reference import guided_log_probs
 from .schedule import ShiftedCosineSchedule
 
@@ -88,9 +87,7 @@ def ddim_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s):
 def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: float, device):
     """(labels (B,) or None, B) for a sampler: conditional models take ``class_labels``, unconditional ones
     ``num_samples``; a conditional model without labels samples the null class. Guidance needs labels."""
-    # "not >= 0" also refuses NaN; a negative ω would silently mean no guidance below (guided = ω > 0)
-    if not (guidance_scale >= 0 and math.isfinite(guidance_scale)):
-        raise ValueError(f"guidance_scale must be a finite number >= 0 (0: no guidance), got {guidance_scale}")
+    checked_guidance(guidance_scale)
     if class_labels is not None:
         if num_classes == 0:
             raise ValueError("class_labels given to an unconditional model")

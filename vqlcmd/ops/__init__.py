@@ -8,9 +8,6 @@ same contract and is tested against ``reference``.
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 from typing import Optional
 
 import torch
@@ -74,15 +71,9 @@ def guided_embedding_average(
     """
     _checks.check_average_inputs(cond_logits, table)
     _checks.check_logits_pair(cond_logits, uncond_logits)
-    if isinstance(guidance_scale, torch.Tensor) and guidance_scale.numel() == 1:
-        guidance_scale = float(guidance_scale)  # a 0-d tensor, as a schedule of ω may give
-    if not isinstance(guidance_scale, numbers.Real) or isinstance(guidance_scale, bool):
-        raise TypeError(f"guidance_scale must be a real number, got {type(guidance_scale).__name__}")
-    guidance_scale = float(guidance_scale)  # numpy scalars too
-    if not (guidance_scale >= 0 and math.isfinite(guidance_scale)):  # NaN/inf gave an all-NaN result
-        raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale}")
+    guidance_scale = _checks.checked_guidance(guidance_scale)
     fn = resolve("guided_embedding_average", backend, cond_logits, table)
-    return fn(cond_logits, uncond_logits, table, float(guidance_scale))
+    return fn(cond_logits, uncond_logits, table, guidance_scale)
 
 
 def categorical_kl(

@@ -1,6 +1,8 @@
 """Input validation shared by every backend: errors name the argument and the problem."""
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 import os
 from typing import Sequence
@@ -160,3 +162,18 @@ def check_attention_inputs(q, k, v) -> None:
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_same_device(q=q, k=k, v=v)
+
+
+def checked_guidance(value) -> float:
+    """ω as a float, for the guided op and the samplers alike: a real number (numpy scalars and one-element
+    tensors too), finite and >= 0. A negative ω would silently mean no guidance (guided = ω > 0), a NaN or
+    infinite one an all-NaN average."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"guidance_scale must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not (value >= 0 and math.isfinite(value)):  # "not >= 0" also refuses NaN
+        raise ValueError(f"guidance_scale must be a finite number >= 0 (0: no guidance), got {value}")
+    return value
+
