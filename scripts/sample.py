@@ -27,12 +27,13 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from vqlcmd.cli import non_negative_float, positive_int  # noqa: E402
 
 MANIFEST = "manifest.json"
 # settings that change the images: a continuation must match them
@@ -158,14 +159,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline", required=True, help="exported pipeline folder (model.safetensors + config.json)")
     p.add_argument("--out", required=True, help="folder for the PNGs (and manifest.json)")
-    p.add_argument("-n", "--num-samples", type=int, required=True)
+    p.add_argument("-n", "--num-samples", type=positive_int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--labels", default="cycle", help="'cycle' (i mod C), 'random', or class ids '3' / '1,7'")
-    p.add_argument("--num-steps", type=int, default=None, help="default: the pipeline's exported setting")
-    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--num-steps", type=positive_int, default=None, help="default: the pipeline's exported setting")
+    p.add_argument("--guidance-scale", type=non_negative_float, default=None, help="ω (0: no guidance)")
     p.add_argument("--sampler", choices=("ancestral", "ddim"), default=None)
     p.add_argument("--final", choices=("sample", "argmax"), default=None)
-    p.add_argument("--batch-size", type=int, default=64, help="images per denoiser batch on each rank")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per denoiser batch on each rank")
     p.add_argument("--npz", default=None, help="also write all N images as one ADM-layout .npz (rank 0)")
     p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -173,17 +174,9 @@ def main(argv=None) -> int:
                    help="compile the denoiser for the sampling loop (see VQLCMDPipeline.enable_fast_sampling)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
-    args = p.parse_args(argv)
-    # checked before anything is written: the manifest would otherwise record the bad settings and
+    # the value types refuse bad numbers before anything is written: a manifest of bad settings would
     # refuse the corrected rerun as "other settings"
-    if args.num_samples < 1:
-        raise SystemExit("--num-samples must be >= 1")
-    if args.num_steps is not None and args.num_steps < 1:
-        raise SystemExit(f"--num-steps must be >= 1, got {args.num_steps}")
-    if args.batch_size < 1:
-        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.guidance_scale is not None and not (args.guidance_scale >= 0 and math.isfinite(args.guidance_scale)):
-        raise SystemExit(f"--guidance-scale must be a finite number >= 0 (0: no guidance), got {args.guidance_scale}")
+    args = p.parse_args(argv)
 
     from vqlcmd.pipeline import VQLCMDPipeline, image_generators
 

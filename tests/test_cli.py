@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from vqlcmd.cli import positive_float, positive_int
+from vqlcmd.cli import non_negative_float, positive_float, positive_int
 
 
 def test_positive_int():
@@ -20,6 +20,13 @@ def test_positive_float():
     for bad in ("0", "-1", "nan", "inf"):
         with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number > 0"):
             positive_float(bad)
+
+
+def test_non_negative_float():
+    assert non_negative_float("0") == 0.0 and non_negative_float("1.5") == 1.5
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number >= 0"):
+            non_negative_float(bad)
 
 
 def test_scripts_refuse_bad_numbers_with_a_usage_error(capsys):

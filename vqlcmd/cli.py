@@ -14,8 +14,16 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _finite(text: str, ok, what: str) -> float:
     value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _finite(text, lambda v: v > 0, "a finite number > 0")
+
+
+def non_negative_float(text: str) -> float:
+    return _finite(text, lambda v: v >= 0, "a finite number >= 0")

@@ -89,12 +89,15 @@ def test_torchrun_two_ranks_match_one(sample_script, pipe_dir, tmp_path):
     assert _read(tmp_path / "two") == _read(tmp_path / "one")
 
 
-@pytest.mark.parametrize("bad, message", [(("--num-steps", "0"), "--num-steps must be >= 1, got 0"),
-                                          (("--batch-size", "0"), "--batch-size must be >= 1, got 0"),
-                                          (("--guidance-scale", "-1"), "--guidance-scale must be a finite number >= 0"),
-                                          (("--guidance-scale", "nan"), "--guidance-scale must be a finite number >= 0")])
-def test_bad_options_are_refused_before_anything_is_written(sample_script, pipe_dir, tmp_path, bad, message):
+@pytest.mark.parametrize("bad, message", [
+    (("--num-steps", "0"), "--num-steps: must be a positive integer, got 0"),
+    (("--batch-size", "0"), "--batch-size: must be a positive integer, got 0"),
+    (("-n", "0"), "--num-samples: must be a positive integer, got 0"),
+    (("--guidance-scale", "-1"), "--guidance-scale: must be a finite number >= 0, got -1"),
+    (("--guidance-scale", "nan"), "--guidance-scale: must be a finite number >= 0, got nan")])
+def test_bad_options_are_refused_before_anything_is_written(sample_script, pipe_dir, tmp_path, bad, message, capsys):
     out = tmp_path / "s"
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as exc:
         sample_script.main(_args(pipe_dir, out, *bad))
+    assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not out.exists()  # a manifest of the bad settings would refuse the corrected rerun
