@@ -113,7 +113,7 @@ def test_dm_target_carries_gradient_to_embeddings():
 def test_ablation_switches():
     net, teacher, x, y = _setup(frozen_embeddings=True)
     out = training_losses(net, teacher, ShiftedCosineSchedule(), x, y, LossConfig(beta_cm=0.0, drop_strategy="none"))
-    assert out["l_cm"] == 0
+    assert "l_cm" not in out  # not computed, so not reported as a 0 that reads like perfect consistency
     out["loss"].backward()
     assert net.embedding.weight.grad is None  # fixed embeddings
 

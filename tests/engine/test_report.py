@@ -29,7 +29,10 @@ def test_report_writes_grid_and_json_and_scores_digits_shards_given_by_path(tiny
     assert on_digits(trainer)
     report = final_report(trainer, per_class=2)
     assert report["num_samples"] == 8 and 0.0 <= report["accuracy"] <= 1.0 and report["spread_ratio"] >= 0
-    assert "classifier accuracy" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "classifier accuracy" in printed
+    # the distribution figures are printed too, as report.json holds them
+    assert f"FID {report['fid']:.3f}" in printed and f"recall {report['recall']:.3f}" in printed
 
 
 def test_a_maskgit_run_reports_its_own_sampler(tiny_config):

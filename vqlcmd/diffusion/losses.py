@@ -93,7 +93,7 @@ def training_losses(
 ) -> dict[str, torch.Tensor]:
     """One VQ-LCMD loss evaluation. tokens (B, M) int64, labels (B,) or None.
 
-    Returns ``loss`` (differentiable) and the detached terms ``l0``, ``l_dm``,
+    Returns ``loss`` (differentiable) and the detached terms ``l0``, ``l_dm`` and (when β_CM > 0)
     ``l_cm``, each summed over tokens (L_DM also over D) and averaged over the batch.
     ``teacher`` is the EMA copy (θ̄, Ē); it only runs under no_grad.
     """
@@ -152,12 +152,12 @@ def training_losses(
         l_dm = sq_err.mean()
         dm_term = (weight * sq_err).mean()
     l0 = F.cross_entropy(logits_0.reshape(-1, K), tokens_0.reshape(-1), reduction="sum") / B0
-    if cfg.beta_cm > 0:
+    loss = l0 + dm_term
+    out = {"loss": loss, "l0": l0.detach(), "l_dm": l_dm.detach()}
+    if cfg.beta_cm > 0:  # without it no l_cm is reported: a logged 0 read as a perfectly consistent model
         l_cm = ops.categorical_kl(teacher_logits, logits_t, backend=backend).sum() / B
-    else:
-        l_cm = logits_t.new_zeros(())
-    loss = l0 + dm_term + cfg.beta_cm * l_cm
-    out = {"loss": loss, "l0": l0.detach(), "l_dm": l_dm.detach(), "l_cm": l_cm.detach()}
+        out["loss"] = loss + cfg.beta_cm * l_cm
+        out["l_cm"] = l_cm.detach()
     if cfg.weighting == "vlb":  # the weighted term the loss is made of (≈1e6-1e9: the weight at t_min is ~1e11)
         out["l_vlb"] = dm_term.detach()
     return out
