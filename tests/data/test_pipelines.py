@@ -122,3 +122,13 @@ def test_images_beside_class_folders_are_an_error(tmp_path):
         list_images(tmp_path)
     (tmp_path / "loose.jpg").unlink()
     assert list_images(tmp_path).class_names == ["ant"]
+
+
+def test_an_empty_class_folder_is_kept_with_a_warning(tmp_path):
+    # a class with no image kept its label silently: the model then offered a class it never saw
+    write_tree(tmp_path, classes=("ant", "cat"), sizes=[(20, 20), (20, 21)])
+    (tmp_path / "bee").mkdir()
+    with pytest.warns(UserWarning, match=r"1 class folder\(s\) under .* hold no readable image: \['bee'\]"):
+        il = list_images(tmp_path)
+    # the other classes keep the numbers their folder names give them
+    assert il.class_names == ["ant", "bee", "cat"] and sorted(set(il.labels)) == [0, 2]

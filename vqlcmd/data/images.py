@@ -89,6 +89,13 @@ def list_images(root, *, check: str = "header") -> ImageList:
     if not pairs:
         raise FileNotFoundError(f"image folder {str(root)!r} holds no readable images "
                                 f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
+    empty = sorted(set(class_names) - {class_names[c] for _, c in pairs}) if class_names else []
+    if empty:
+        # Kept, so the other classes' label numbers stay those of the folder names' order (ImageNet's class
+        # ids, say); but a model would be trained on no image of these and still offer them for sampling.
+        warnings.warn(f"{len(empty)} class folder(s) under {root} hold no readable image: {empty[:10]}"
+                      f"{' ...' if len(empty) > 10 else ''}; their labels are kept (the other classes keep "
+                      "their numbers) but nothing is learned for them", stacklevel=2)
     return ImageList(root, [f for f, _ in pairs], [c for _, c in pairs], class_names, skipped)
 
 
