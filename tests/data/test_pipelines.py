@@ -90,8 +90,23 @@ def test_unreadable_files_are_skipped_with_a_warning_naming_them(bad_tree):
 def test_truncated_pixels_fail_naming_the_file(bad_tree, backend):
     with pytest.warns(UserWarning):
         il = list_images(bad_tree)
-    with pytest.raises((OSError, RuntimeError), match="truncated.jpg"):
+    with pytest.raises((OSError, RuntimeError), match="truncated.jpg") as err:
         _all(il, backend)
+    if backend == "dali":  # a file DALI could not decode: the way to skip such files up front is named
+        assert "--check-images decode" in str(err.value)
+
+
+def test_a_dali_failure_not_caused_by_a_file_does_not_blame_the_files(tree, monkeypatch):
+    from vqlcmd.data import dali
+
+    class Failing:
+        def run(self):
+            raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(dali, "build_pipeline", lambda *a, **k: Failing())
+    with pytest.raises(RuntimeError, match="out of memory") as err:
+        next(dali.dali_batches(list_images(tree), 24, 4))
+    assert "check-images" not in str(err.value)
 
 
 def test_decode_check_skips_truncated_files_up_front(bad_tree):

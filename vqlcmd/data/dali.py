@@ -52,6 +52,12 @@ def _to_torch(out, device) -> torch.Tensor:
     return torch.from_numpy(np.array(t))
 
 
+def _is_file_error(message: str) -> bool:
+    m = message.lower()
+    return any(k in m for k in ("decode", "corrupt", "truncat", "unsupported image", "no such file", "cannot open",
+                                "failed to open", "premature end"))
+
+
 def dali_batches(images: ImageList, size: int, batch_size: int, *, flip: str = "none", seed: int = 0,
                  channels: int = 3, device=None, num_threads: int = 2):
     """Same contract as ``pil.pil_batches``: batches in list order, the last one possibly smaller."""
@@ -73,10 +79,12 @@ def dali_batches(images: ImageList, size: int, batch_size: int, *, flip: str = "
                 out_imgs, out_labs = p.run()
             except RuntimeError as e:
                 batch = images.files[done:done + bs]
-                # DALI's own message names the sample that failed ("Failed to decode sample #i : path")
-                raise RuntimeError(f"DALI failed on the batch of {len(batch)} images starting with {batch[0]}: {e}\n"
-                                   "(list_images(check='decode') or scripts/tokenize.py --check-images decode "
-                                   "skips such files up front)") from e
+                # DALI's own message names the sample that failed ("Failed to decode sample #i : path"); the hint
+                # about checking the files only where it was a file that failed (not, say, device memory)
+                hint = ("\n(list_images(check='decode') or scripts/tokenize.py --check-images decode skips such "
+                        "files up front)") if _is_file_error(str(e)) else ""
+                raise RuntimeError(f"DALI failed on the batch of {len(batch)} images starting with {batch[0]}: "
+                                   f"{e}{hint}") from e
             take = min(bs, n - done)
             x = _to_torch(out_imgs, device)[:take]
             y = torch.from_numpy(np.array(out_labs.as_tensor())).reshape(-1)[:take].long()
