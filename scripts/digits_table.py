@@ -30,15 +30,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from vqlcmd.cli import positive_int  # noqa: E402
-
-
-def _ints(s):
-    return [int(x) for x in s.split(",")]
-
-
-def _floats(s):
-    return [float(x) for x in s.split(",")]
+from vqlcmd.cli import choices_list, comma_list, non_negative_float, positive_int  # noqa: E402
+from vqlcmd.samplers import SAMPLERS  # noqa: E402
 
 
 def digest(folder: Path) -> str:
@@ -110,9 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="docs/digits_eval.md")
     p.add_argument("--cache", default=None,
                    help="JSON-lines results cache (default: digits_table.jsonl beside the pipeline folder)")
-    p.add_argument("--steps", type=_ints, default=[5, 10, 20, 50])
-    p.add_argument("--samplers", default="ancestral,ddim")
-    p.add_argument("--guidance", type=_floats, default=[0.0, 1.0, 2.0])
+    p.add_argument("--steps", type=comma_list(positive_int), default=[5, 10, 20, 50])
+    p.add_argument("--samplers", type=choices_list(SAMPLERS), default=list(SAMPLERS))
+    p.add_argument("--guidance", type=comma_list(non_negative_float), default=[0.0, 1.0, 2.0])
     p.add_argument("--per-class", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=positive_int, default=250)
@@ -125,8 +118,9 @@ def main(argv=None) -> int:
 
     folder = Path(args.pipeline)
     pipe = VQLCMDPipeline.from_pretrained(folder)
-    if pipe.network.config.num_classes == 0:
-        raise SystemExit(f"{folder}: the digits table needs a class-conditional pipeline")
+    if not 1 <= pipe.network.config.num_classes <= 10:  # a digit classifier scores it: labels 0-9
+        raise SystemExit(f"{folder}: the digits table needs a class-conditional digits pipeline (at most 10 "
+                         f"classes, the digits 0-9); this one has {pipe.network.config.num_classes}")
     out = Path(args.out)
     # the cache belongs with the model (runs/ is not committed), not with the Markdown
     cache = Path(args.cache) if args.cache else folder.parent / "digits_table.jsonl"
@@ -153,7 +147,7 @@ def main(argv=None) -> int:
             "machine": args.machine or f"{torch.get_num_threads()} CPU threads, batch {args.batch_size}, "
                                        "on a machine shared with other jobs (compare within this table only)"}
     reference = None  # the floor at the pipeline's image size, known after the first cell
-    plan = [(sampler, steps, guidance) for sampler in args.samplers.split(",") for guidance in args.guidance
+    plan = [(sampler, steps, guidance) for sampler in args.samplers for guidance in args.guidance
             for steps in args.steps]
     # cheapest cells first (guidance doubles the batch): a run cut short still covers most of the table
     plan.sort(key=lambda c: (c[1] * (2 if c[2] > 0 else 1), c))

@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from vqlcmd.cli import non_negative_float, positive_float, positive_int
+from vqlcmd.cli import choices_list, comma_list, non_negative_float, positive_float, positive_int
 
 
 def test_positive_int():
@@ -27,6 +27,39 @@ def test_non_negative_float():
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number >= 0"):
             non_negative_float(bad)
+
+
+def test_lists():
+    assert comma_list(positive_int)("5, 10,20") == [5, 10, 20]
+    assert comma_list(non_negative_float)("0,1.5") == [0.0, 1.5]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"in '5,0': must be a positive integer, got 0"):
+        comma_list(positive_int)("5,0")
+    with pytest.raises(argparse.ArgumentTypeError, match="in '1,x'"):
+        comma_list(non_negative_float)("1,x")
+    with pytest.raises(argparse.ArgumentTypeError, match="without empty items"):
+        comma_list(positive_int)("5,,10")
+    assert choices_list(("ancestral", "ddim"))("ddim") == ["ddim"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown \['dpm'\]"):
+        choices_list(("ancestral", "ddim"))("ddim,dpm")
+
+
+def test_digits_table_refuses_bad_lists_before_loading_anything(capsys, tmp_path):
+    # each failed only after the pipeline and the digit classifiers were loaded (steps 0, guidance -1), or
+    # after the first cells were sampled (an unknown sampler)
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("digits_table", root / "scripts" / "digits_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    missing = str(tmp_path / "no_pipeline")
+    for flag, value, said in (("--steps", "5,0", "must be a positive integer"),
+                              ("--guidance", "1,-1", "must be a finite number >= 0"),
+                              ("--samplers", "ancestral,dpm", "unknown ['dpm']")):
+        with pytest.raises(SystemExit) as exc:
+            mod.main(["--pipeline", missing, flag, value])
+        assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_scripts_refuse_bad_numbers_with_a_usage_error(capsys):

@@ -27,3 +27,29 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     return _finite(text, lambda v: v >= 0, "a finite number >= 0")
+
+
+def comma_list(item):
+    """A comma-separated list whose every item ``item`` (one of the types above) accepts, e.g.
+    ``comma_list(positive_int)`` for ``--steps 5,10,20``."""
+    def parse(text: str) -> list:
+        parts = [t.strip() for t in text.split(",")]
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got {text!r}")
+        try:
+            return [item(t) for t in parts]
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise argparse.ArgumentTypeError(f"in {text!r}: {exc}") from None
+    parse.__name__ = f"list of {getattr(item, '__name__', 'values')}"
+    return parse
+
+
+def choices_list(allowed):
+    """A comma-separated list of names out of ``allowed``."""
+    def parse(text: str) -> list:
+        names = [t.strip() for t in text.split(",")]
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad} in {text!r}; choose from {', '.join(allowed)}")
+        return names
+    return parse
