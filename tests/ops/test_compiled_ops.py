@@ -521,6 +521,23 @@ def test_ada_layer_norm_rows_far_from_zero(gen):
     assert err < max(2 * err_ref, 1e-4), (err, err_ref)
 
 
+@pytest.mark.parametrize("h_dtype,mod_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_ada_layer_norm_mixed_dtypes_give_the_same_dtypes_on_every_backend(h_dtype, mod_dtype, gen):
+    # the reference promoted (bf16 h, float32 modulation -> float32) where the kernel keeps h's dtype
+    h = torch.randn(2, 5, 24, generator=gen).to(h_dtype)
+    scale, shift = (torch.randn(2, 24, generator=gen).to(mod_dtype) for _ in range(2))
+    upstream = torch.randn(2, 5, 24, generator=gen).to(h_dtype)
+    out = {}
+    for backend in ("compiled", "reference"):
+        inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
+        y = ops.ada_layer_norm(*inputs, backend=backend)
+        out[backend] = (y, *torch.autograd.grad(y, inputs, upstream))
+    assert [t.dtype for t in out["reference"]] == [h_dtype, h_dtype, mod_dtype, mod_dtype]
+    for a, b in zip(out["compiled"], out["reference"]):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=0.1, rtol=0.02)
+
+
 def test_ada_layer_norm_noncontiguous_empty_errors_and_dispatch(gen):
     h = torch.randn(3, 40, 9, generator=gen).transpose(1, 2)  # (3, 9, 40), non-contiguous
     ab = torch.randn(3, 80, generator=gen)

@@ -150,7 +150,8 @@ def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
     """``(1 + scale) · LayerNorm(h) + shift``, the denoiser's adaptive LayerNorm (AdaLN).
 
     h (B, M, W); scale and shift (B, W), one modulation per image; LayerNorm over W without affine
-    parameters (``F.layer_norm(h, (W,), eps=eps)``). Differentiable in all three inputs. Not a
+    parameters (``F.layer_norm(h, (W,), eps=eps)``); the output has h's dtype whatever the modulation's.
+    Differentiable in all three inputs. Not a
     VQ-LCMD op: the compiled backend exists because PyTorch's CPU LayerNorm is slow at small widths
     (csrc/ada_layer_norm).
     """

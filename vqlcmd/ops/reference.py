@@ -26,7 +26,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
     n = F.layer_norm(h, (h.shape[-1],), eps=eps)  # (B, M, W)
-    return (1 + scale[:, None]) * n + shift[:, None]
+    # h's dtype, as LayerNorm's and the fused kernel's output: type promotion gave float32 for bf16 h with
+    # float32 modulation, so the backends disagreed
+    return ((1 + scale[:, None]) * n + shift[:, None]).to(h.dtype)
 
 
 def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
