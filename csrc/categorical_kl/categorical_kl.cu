@@ -247,7 +247,7 @@ void launch(const KlArgs& a, float* kl, T* grad, const float* grad_scale) {
 
 std::tuple<at::Tensor, at::Tensor> categorical_kl_cuda(const at::Tensor& teacher, const at::Tensor& student,
                                                        bool emit_grad) {
-  const c10::cuda::CUDAGuard guard(student.device());
+  const c10::cuda::CUDAGuard guard(cuda::op_device(student, "student_logits"));
   const KlArgs a = kl_args(teacher, student);
   at::Tensor kl = kl_output(teacher);
   at::Tensor grad = emit_grad ? at::empty(student.sizes(), a.student.options()) : at::empty({0}, a.student.options());
@@ -260,11 +260,11 @@ std::tuple<at::Tensor, at::Tensor> categorical_kl_cuda(const at::Tensor& teacher
 
 at::Tensor categorical_kl_backward_cuda(const at::Tensor& grad_kl, const at::Tensor& teacher,
                                         const at::Tensor& student) {
-  const c10::cuda::CUDAGuard guard(student.device());
+  const c10::cuda::CUDAGuard guard(cuda::op_device(student, "student_logits"));
   const KlArgs a = kl_args(teacher, student);
+  const at::Tensor g = kl_grad_rows(grad_kl, teacher, a.N);
   at::Tensor grad = at::empty(student.sizes(), a.student.options());
   if (a.N == 0) return grad.to(student.scalar_type());
-  const at::Tensor g = grad_kl.to(at::kFloat).contiguous().view({a.N});
   VQLCMD_DISPATCH_FLOAT(a.student.scalar_type(), "categorical_kl_backward_cuda", [&] {
     launch<scalar_t>(a, nullptr, grad.data_ptr<scalar_t>(), g.data_ptr<float>());
   });

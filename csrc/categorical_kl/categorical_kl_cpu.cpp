@@ -2,6 +2,9 @@
 // once per pass and processed in float32 vector registers. exp_u20 (ATen's
 // polynomial exp, relative error ~1e-6) instead of Sleef's exact one: exp is
 // most of the work, and the error stays far inside the fp32 test tolerance.
+#include <algorithm>
+#include <limits>
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -23,10 +26,12 @@ RowNorm row_lse(const float* x, int64_t K) {
     Vec vmax = Vec::loadu(x);
     for (int64_t k = Vec::size(); k < body; k += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(x + k));
     const float m = cpu::reduce_max(vmax);
-    const Vec vm(m);
-    Vec vsum(0.0f);
-    for (int64_t k = 0; k < body; k += Vec::size()) vsum = vsum + (Vec::loadu(x + k) - vm).exp_u20();
-    s = OnlineLSE{m, cpu::reduce_sum(vsum)};
+    if (m != -INFINITY) {  // all -inf: nothing to add, and exp(-inf - (-inf)) would be NaN (as in lse_push)
+      const Vec vm(m);
+      Vec vsum(0.0f);
+      for (int64_t k = 0; k < body; k += Vec::size()) vsum = vsum + (Vec::loadu(x + k) - vm).exp_u20();
+      s = OnlineLSE{m, cpu::reduce_sum(vsum)};
+    }
   }
   for (int64_t k = body; k < K; ++k) s = lse_push(s, x[k]);
   return row_norm(s);
@@ -35,6 +40,12 @@ RowNorm row_lse(const float* x, int64_t K) {
 // KL of one row; if `grad` is given, also writes scale * (q - p) there (kl_student_grad).
 float row_kl(const float* t, const float* s, int64_t K, float* grad, float scale) {
   const RowNorm nt = row_lse(t, K), ns = row_lse(s, K);
+  if (nt.max == -INFINITY) {  // a teacher row of -inf: every p_k is 0, so KL = 0 (as kl_term and
+    // kl_from_sums say); the gradient q - p has no p, NaN as the reference's. Not left to the vector loop:
+    // exp_u20 takes the NaN of (-inf) - (-inf) to +inf, and inf * NaN made the KL NaN too.
+    if (grad != nullptr) std::fill(grad, grad + K, std::numeric_limits<float>::quiet_NaN());
+    return 0.0f;
+  }
   const Vec tmax(nt.max), tlog(nt.log_sum), smax(ns.max), slog(ns.log_sum), zero(0.0f), vscale(scale);
   Vec acc(0.0f);
   int64_t k = 0;
@@ -88,9 +99,9 @@ std::tuple<at::Tensor, at::Tensor> categorical_kl_cpu(const at::Tensor& teacher,
 at::Tensor categorical_kl_backward_cpu(const at::Tensor& grad_kl, const at::Tensor& teacher,
                                        const at::Tensor& student) {
   const KlArgs a = kl_args(teacher, student);
+  const at::Tensor g = kl_grad_rows(grad_kl, teacher, a.N);
   at::Tensor grad = at::empty(student.sizes(), a.student.options());
   if (a.N == 0) return grad.to(student.scalar_type());
-  const at::Tensor g = grad_kl.to(at::kFloat).contiguous().view({a.N});
   VQLCMD_DISPATCH_FLOAT(a.student.scalar_type(), "categorical_kl_backward_cpu", [&] {
     kl_rows<scalar_t>(a, nullptr, grad.data_ptr<scalar_t>(), g.data_ptr<float>());
   });

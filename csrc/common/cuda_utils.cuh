@@ -61,6 +61,14 @@ constexpr int kThreads = 256;
 
 // Grid for a grid-stride loop over `work` items: enough blocks to fill the GPU,
 // never more than the work needs.
+// The device a CUDA launcher guards and launches on, taken from one of its tensors. The dispatcher picks
+// the CUDA kernel when any argument is on a GPU, so that tensor may be a CPU one: refused here by name
+// (CUDAGuard would fail with an internal assert), the others by check_device in the argument helpers.
+inline at::Device op_device(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.is_cuda(), name, " must be on the CUDA device of the op's other tensors, got ", x.device());
+  return x.device();
+}
+
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 // Multiprocessors of the current device (132 on an H100 SXM).

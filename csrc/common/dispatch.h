@@ -21,6 +21,16 @@ inline void check_float_kind(const at::Tensor& x, const char* name) {
               " must be float32, bfloat16 or float16, got ", t);
 }
 
+// The dispatcher runs the CUDA kernel when any argument is on a GPU: an argument left on the CPU (or on
+// another GPU) would have its pointer read by the kernel, an illegal access that ends the CUDA context.
+inline void check_device(const at::Tensor& x, const at::Device& device, const char* name) {
+  TORCH_CHECK(x.device() == device, name, " must be on ", device, " with the op's other tensors, got ", x.device());
+}
+
+inline void check_device(const std::optional<at::Tensor>& x, const at::Device& device, const char* name) {
+  if (x.has_value()) check_device(*x, device, name);
+}
+
 inline void check_token_inputs(const at::Tensor& tokens, const std::optional<at::Tensor>& drop_mask,
                                int64_t mask_index) {
   TORCH_CHECK(tokens.dim() == 2, "tokens must be (B, M), got ", tokens.sizes());

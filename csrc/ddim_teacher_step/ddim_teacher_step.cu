@@ -64,7 +64,7 @@ __global__ void ddim_kernel(DdimParams p, const table_t* __restrict__ table, con
 at::Tensor ddim_teacher_step_cuda(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& z_t,
                                   const at::Tensor& alpha_t, const at::Tensor& sigma_t, const at::Tensor& alpha_s,
                                   const at::Tensor& sigma_s) {
-  const c10::cuda::CUDAGuard guard(z_t.device());
+  const c10::cuda::CUDAGuard guard(cuda::op_device(z_t, "z_t"));
   const DdimArgs a = ddim_args(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s);
   at::Tensor out = at::empty({a.B, a.M, a.D}, z_t.options());
   if (out.numel() == 0) return out;

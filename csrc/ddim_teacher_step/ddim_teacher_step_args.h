@@ -19,6 +19,12 @@ inline DdimArgs ddim_args(const at::Tensor& tokens, const at::Tensor& table, con
   check_float_kind(table, "table");
   check_float_kind(z_t, "z_t");
   TORCH_CHECK(table.dim() == 2, "table must be (V, D), got ", table.sizes());
+  check_device(tokens, table.device(), "tokens");
+  check_device(z_t, table.device(), "z_t");
+  check_device(alpha_t, table.device(), "alpha_t");
+  check_device(sigma_t, table.device(), "sigma_t");
+  check_device(alpha_s, table.device(), "alpha_s");
+  check_device(sigma_s, table.device(), "sigma_s");
   DdimArgs a;
   a.rows = token_rows(tokens, std::nullopt, -1);
   a.B = tokens.size(0);

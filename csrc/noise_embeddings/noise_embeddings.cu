@@ -110,7 +110,7 @@ at::Tensor noise_embeddings_cuda(const at::Tensor& tokens, const at::Tensor& tab
                                  const at::Tensor& sigma, const std::optional<at::Tensor>& noise,
                                  const std::optional<at::Tensor>& drop_mask, int64_t mask_index, int64_t seed,
                                  int64_t offset, const std::optional<at::Tensor>& seed_tensor) {
-  const c10::cuda::CUDAGuard guard(table.device());
+  const c10::cuda::CUDAGuard guard(cuda::op_device(table, "table"));
   // the kernel picks each token's row itself (no where/fill launches before it)
   const NoiseArgs a = noise_args(tokens, table, alpha, sigma, noise, drop_mask, mask_index, /*with_rows=*/false);
   check_seed_tensor(seed_tensor, table);
@@ -461,8 +461,9 @@ int atomic_backward_blocks(int64_t items, bool hot) {
 at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tensor& tokens,
                                           const std::optional<at::Tensor>& drop_mask, int64_t mask_index,
                                           const at::Tensor& alpha, int64_t num_rows, bool deterministic) {
-  const c10::cuda::CUDAGuard guard(grad.device());
+  const c10::cuda::CUDAGuard guard(cuda::op_device(grad, "grad"));
   check_float_kind(grad, "grad");
+  check_backward_devices(grad, tokens, drop_mask, alpha);
   check_token_inputs(tokens, drop_mask, mask_index);
   // the atomic and sliced kernels pick each token's row themselves; the sorted one sorts the rows
   // (token_rows), so it needs no flat ids

@@ -20,6 +20,11 @@ inline NoiseArgs noise_args(const at::Tensor& tokens, const at::Tensor& table, c
                             bool with_rows = true) {
   check_float_kind(table, "table");
   TORCH_CHECK(table.dim() == 2, "table must be (V, D), got ", table.sizes());
+  check_device(tokens, table.device(), "tokens");
+  check_device(alpha, table.device(), "alpha");
+  check_device(sigma, table.device(), "sigma");
+  check_device(noise, table.device(), "noise");
+  check_device(drop_mask, table.device(), "drop_mask");
   NoiseArgs a;
   if (with_rows) {
     a.rows = token_rows(tokens, drop_mask, mask_index);
@@ -40,6 +45,14 @@ inline NoiseArgs noise_args(const at::Tensor& tokens, const at::Tensor& table, c
     a.noise = noise->contiguous();
   }
   return a;
+}
+
+// The backward's tensors all on grad's device (see check_device).
+inline void check_backward_devices(const at::Tensor& grad, const at::Tensor& tokens,
+                                   const std::optional<at::Tensor>& drop_mask, const at::Tensor& alpha) {
+  check_device(tokens, grad.device(), "tokens");
+  check_device(drop_mask, grad.device(), "drop_mask");
+  check_device(alpha, grad.device(), "alpha");
 }
 
 // seed_tensor, when given, must be one int64 on the op's device (the kernels read the seed from it).

@@ -105,6 +105,7 @@ at::Tensor noise_embeddings_backward_cpu(const at::Tensor& grad, const at::Tenso
                                          const at::Tensor& alpha, int64_t num_rows, bool deterministic) {
   (void)deterministic;  // always deterministic on CPU (see backward_columns)
   check_float_kind(grad, "grad");
+  check_backward_devices(grad, tokens, drop_mask, alpha);
   const at::Tensor rows = token_rows(tokens, drop_mask, mask_index);
   TORCH_CHECK(grad.dim() == 3 && grad.size(0) == tokens.size(0) && grad.size(1) == tokens.size(1),
               "grad must be (B, M, D), got ", grad.sizes());

@@ -376,3 +376,34 @@ def test_compiled_ops_replay_in_a_cuda_graph():
     torch.cuda.synchronize()
     torch.testing.assert_close(captured[0], expected[0])
     assert not torch.equal(captured[0], eager[0])
+
+
+def test_raw_ops_refuse_tensors_on_another_device():
+    """The dispatcher runs the CUDA kernel when any argument is on the GPU: a CPU argument is refused by
+    name, instead of its host pointer being read on the device (an illegal access that ends the context)."""
+    tokens = torch.randint(0, 10, (2, 3))
+    table = torch.randn(10, 8)
+    ones = torch.ones(2)
+    z = torch.randn(2, 3, 8)
+    cases = [
+        ("tokens", lambda: torch.ops.vqlcmd.noise_embeddings(tokens, table.to(CUDA), ones.to(CUDA), ones.to(CUDA),
+                                                             None, None, -1, 0, 0, None)),
+        ("table", lambda: torch.ops.vqlcmd.noise_embeddings(tokens.to(CUDA), table, ones, ones, None, None, -1,
+                                                            0, 0, None)),
+        ("alpha", lambda: torch.ops.vqlcmd.noise_embeddings_backward(z.to(CUDA), tokens.to(CUDA), None, -1, ones,
+                                                                     10, False)),
+        ("alpha_t", lambda: torch.ops.vqlcmd.ddim_teacher_step(tokens.to(CUDA), table.to(CUDA), z.to(CUDA), ones,
+                                                               ones.to(CUDA), ones.to(CUDA), ones.to(CUDA))),
+        ("student_logits", lambda: torch.ops.vqlcmd.categorical_kl(z.to(CUDA), z, False)),
+        ("grad_kl", lambda: torch.ops.vqlcmd.categorical_kl_backward(torch.ones(2, 3), z.to(CUDA), z.to(CUDA))),
+    ]
+    for name, call in cases:
+        with pytest.raises(RuntimeError, match=f"{name} must be on"):
+            call()
+    torch.cuda.synchronize()  # the context survived
+    assert torch.equal(torch.ones(3, device=CUDA).cpu(), torch.ones(3))
+
+
+def test_categorical_kl_cuda_of_zero_classes_is_zero():
+    t = torch.randn(3, 100, 0, device=CUDA)
+    assert torch.equal(ops.categorical_kl(t, t.clone(), backend="compiled"), torch.zeros(3, 100, device=CUDA))

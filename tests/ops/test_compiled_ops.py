@@ -117,6 +117,38 @@ def test_categorical_kl_extreme_logits(gen, monkeypatch):
     assert abs(kl[0].item()) < 1e-2
 
 
+@pytest.mark.parametrize("K", [7, 19, 1000])
+def test_categorical_kl_infinite_logits(K, gen):
+    """p_k = 0 adds 0 (also where log q_k = -inf), p_k > 0 with q_k = 0 gives +inf, a teacher row of -inf gives 0
+    (the CPU kernel's vector part gave NaN for a row whose first K - K % 8 logits were all -inf)."""
+    teacher = torch.randn(5, K, generator=gen)
+    student = torch.randn(5, K, generator=gen)
+    teacher[1, ::2] = -float("inf")
+    student[1, ::2] = -float("inf")
+    teacher[2] = -float("inf")
+    student[3, teacher[3].argmax()] = -float("inf")
+    teacher[4, :K - max(K % 8, 1)] = -float("inf")  # finite: the tail that fills no vector, or the last logit
+    kl = ops.categorical_kl(teacher, student, backend="compiled")
+    ref = ops.categorical_kl(teacher.double(), student.double(), backend="reference").float()
+    torch.testing.assert_close(kl, ref, atol=1e-4, rtol=1e-4)
+    assert kl[2] == 0 and kl[3] == float("inf")
+    rows = [0, 1, 4]  # the rows with a finite gradient
+    grad = torch.ops.vqlcmd.categorical_kl(teacher, student, True)[1][rows]
+    s = student[rows].clone().requires_grad_()
+    ops.categorical_kl(teacher[rows], s, backend="reference").sum().backward()
+    torch.testing.assert_close(grad, s.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_categorical_kl_of_zero_classes_is_zero():
+    # K = 0 rows are empty sums; the kernels left their output uninitialised
+    for shape in ((4, 0), (3, 100, 0)):
+        t, s = torch.randn(shape), torch.randn(shape, requires_grad=True)
+        kl = ops.categorical_kl(t, s, backend="compiled")
+        assert torch.equal(kl, torch.zeros(shape[:-1]))
+        kl.sum().backward()
+        assert s.grad.shape == shape
+
+
 def test_categorical_kl_mixed_dtypes_and_noncontiguous(gen):
     teacher = torch.randn(37, 24, generator=gen)[:, ::2]  # fp32 EMA teacher, strided
     student = torch.randn(12, 37, generator=gen).to(torch.bfloat16).t().requires_grad_()
@@ -203,6 +235,20 @@ def test_noise_embeddings_sigma_grad_regenerates_drawn_noise(gen):
     eps = (z - alpha[:, None, None] * table[tokens]) / sigma[:, None, None]
     g, = torch.autograd.grad(z.sum(), sigma)
     torch.testing.assert_close(g, eps.detach().sum((1, 2)), atol=1e-4, rtol=1e-4)
+
+
+def test_noise_embeddings_sigma_grad_uses_the_float32_noise_of_a_bf16_table(gen):
+    # the backward regenerated the drawn noise through the bf16 table, so it came back rounded to bf16,
+    # while the forward had added float32 noise
+    tokens, table, alpha, _, _ = _noise_inputs(gen)
+    sigma = torch.rand(3, generator=gen).requires_grad_()
+    z = ops.noise_embeddings(tokens, table.bfloat16(), alpha, sigma, generator=torch.Generator().manual_seed(5),
+                             backend="compiled")
+    eps = ops.noise_embeddings(tokens, table, torch.zeros(3), torch.ones(3),  # the same draw, float32
+                               generator=torch.Generator().manual_seed(5), backend="compiled")
+    upstream = torch.randn(z.shape, generator=gen).bfloat16()
+    g, = torch.autograd.grad(z, sigma, upstream)
+    torch.testing.assert_close(g, (upstream.float() * eps).sum((1, 2)), rtol=1e-4, atol=1e-3)
 
 
 def test_noise_embeddings_empty_and_bad_ids(gen):

@@ -118,8 +118,9 @@ def _noise_backward(ctx, grad):
         eps = noise
         if eps is None:  # the counter-based stream regenerates the drawn noise
             zeros, ones = torch.zeros_like(alpha), torch.ones_like(sigma)
-            eps = torch.ops.vqlcmd.noise_embeddings(tokens, table, zeros, ones, None, drop_mask, ctx.mask_index,
-                                                    ctx.seed, ctx.offset, seed_tensor)
+            # with a float32 table: the op returns the table's dtype, and the forward added float32 noise
+            eps = torch.ops.vqlcmd.noise_embeddings(tokens, table.float(), zeros, ones, None, drop_mask,
+                                                    ctx.mask_index, ctx.seed, ctx.offset, seed_tensor)
         grad_sigma = (grad.float() * eps.float()).sum((1, 2)).to(sigma.dtype)
     if noise is not None and need[4]:
         grad_noise = (grad.float() * sigma.float()[:, None, None]).to(noise.dtype)
