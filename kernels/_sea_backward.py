@@ -167,7 +167,7 @@ def _grad_table_kernel(
     if ATOMIC:
         tl.atomic_add(dst_ptr + offs, acc, mask=mask)
     else:
-        tl.store(dst_ptr + pid_s * K * D + offs, acc, mask=mask)
+        tl.store(dst_ptr + pid_s.to(tl.int64) * K * D + offs, acc, mask=mask)
 
 
 @triton.jit
@@ -210,4 +210,4 @@ def _fused_backward_kernel(
     if ATOMIC:
         tl.atomic_add(dst_ptr + offs, acc, mask=kd_mask)
     else:
-        tl.store(dst_ptr + pid_s * K * D + offs, acc, mask=kd_mask)
+        tl.store(dst_ptr + pid_s.to(tl.int64) * K * D + offs, acc, mask=kd_mask)

@@ -19,13 +19,17 @@ def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.
     ("" for the default; passed every time: Triton 3.6 does not make a default argument a constexpr)."""
     s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0,
                 eviction_policy=EVICT).to(tl.float32)
+    keep = k_in[None, :]
     if GUIDED:
         # (1+ω) log P(·|y) − ω log P(·|∅) differs from (1+ω) c − ω u by a per-row constant,
         # which the renormalising softmax removes (VQ-LCMD.md, classifier-free guidance).
         u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0,
                     eviction_policy=EVICT)
-        s = (1.0 + guidance) * s - guidance * u.to(tl.float32)
-    return tl.where(k_in[None, :], s, float("-inf"))
+        # A class cond rules out (-inf) stays out: c + ω (c − u) is NaN there (at ω = 0 too, and wherever u
+        # is -inf as well), so that ω = 0 is the plain op. One select with the K mask: a second one spilled.
+        keep = keep & (s != float("-inf"))
+        s = s + guidance * (s - u.to(tl.float32))  # c − u first: exact where c and u share an offset
+    return tl.where(keep, s, float("-inf"))
 
 
 @triton.jit
@@ -154,7 +158,9 @@ def _forward_fixed_max_kernel(
         m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance,
                                             m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, True, "",
                                             BLOCK_M, BLOCK_K, BLOCK_D)
-        if tl.max(m_seen - m_ref, 0) > MAX_GAP:  # exp(s − m_ref) may have overflowed: sweep from the maxima
+        # also sweep again where the reference sits far above the row (a first tile of -inf logits took 0)
+        gap = tl.where(m_seen == float("-inf"), 0.0, tl.abs(m_seen - m_ref))
+        if tl.max(gap, 0) > MAX_GAP:  # exp(s − m_ref) may have overflowed: sweep from the maxima
             m_ref = _finite_reference(m_seen)
             m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D,
                                                 guidance, m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False, "",

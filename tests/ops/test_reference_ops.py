@@ -103,6 +103,21 @@ def test_guided_average_zero_scale_equals_plain(gen):
                                ops.softmax_embedding_average(c, table))
 
 
+def test_guided_average_keeps_classes_ruled_out_by_both_models_out(gen):
+    # a class -inf in both logits: (1+ω)(-inf) − ω(-inf) made the whole row NaN, at ω = 0 too
+    c, u = torch.randn(2, 9, generator=gen), torch.randn(2, 9, generator=gen)
+    c[:, 3] = u[:, 3] = float("-inf")
+    c[1, 5] = float("-inf")  # ruled out by the conditional model only
+    table = torch.randn(9, 4, generator=gen)
+    torch.testing.assert_close(ops.guided_embedding_average(c, u, table, 0.0), ops.softmax_embedding_average(c, table))
+    keep = [k for k in range(9) if k != 3]
+    for w in (1.0, 3.0):
+        expected = ops.guided_embedding_average(c[:, keep], u[:, keep], table[keep], w)
+        torch.testing.assert_close(ops.guided_embedding_average(c, u, table, w), expected)
+        probs = reference.guided_log_probs(c, u, w).exp()
+        assert torch.isfinite(probs).all() and (probs[:, 3] == 0).all() and probs[1, 5] == 0
+
+
 def test_guided_average_matches_formula(gen):
     c, u = torch.randn(4, 9, generator=gen), torch.randn(4, 9, generator=gen)
     table = torch.randn(9, 4, generator=gen)

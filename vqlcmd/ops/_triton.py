@@ -96,8 +96,8 @@ def _average_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], 
 
 @_average_backward.register_fake
 def _(grad_out, grad_lse, out, lse, logits, table, need_logits, need_table, deterministic):
-    return (torch.empty_like(logits) if need_logits else logits.new_empty(0),
-            torch.empty_like(table) if need_table else table.new_empty(0))
+    return (logits.new_empty(logits.shape) if need_logits else logits.new_empty(0),
+            table.new_empty(table.shape) if need_table else table.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):

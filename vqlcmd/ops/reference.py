@@ -50,7 +50,10 @@ def guided_log_probs(cond_logits: torch.Tensor, uncond_logits: torch.Tensor, gui
     dt = math_dtype(cond_logits, uncond_logits)
     lc = torch.log_softmax(cond_logits.to(dt), dim=-1)
     lu = torch.log_softmax(uncond_logits.to(dt), dim=-1)
-    return torch.log_softmax((1.0 + guidance_scale) * lc - guidance_scale * lu, dim=-1)
+    guided = (1.0 + guidance_scale) * lc - guidance_scale * lu
+    # a class the conditional model rules out (-inf) stays out, whatever ω: where the unconditional one
+    # rules it out too, -inf + inf made the whole row NaN, even at ω = 0
+    return torch.log_softmax(torch.where(lc == float("-inf"), lc, guided), dim=-1)
 
 
 def guided_embedding_average(
