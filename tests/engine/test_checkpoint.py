@@ -42,3 +42,28 @@ def test_a_stale_partial_is_cleared_and_latest_stays_complete(tmp_path):
     _partial(tmp_path, 3)
     ckpt.commit(tmp_path, 3, 2)
     assert not list(tmp_path.glob("*.partial")) and _steps(tmp_path) == [1, 3]
+
+
+def test_saving_a_step_again_keeps_the_complete_one_until_the_new_one_is_in(tmp_path, monkeypatch):
+    # the complete checkpoint was deleted first: a crash before the new one was renamed in left none
+    _partial(tmp_path, 4)
+    (tmp_path / "step_0000004.partial" / "old").write_text("first")
+    ckpt.commit(tmp_path, 4, 1)
+    _partial(tmp_path, 4)
+    (tmp_path / "step_0000004.partial" / "new").write_text("second")
+    real_replace = ckpt.os.replace
+
+    def crash_on_the_new_one(src, dst):
+        if str(src).endswith(".partial"):
+            raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", crash_on_the_new_one)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.commit(tmp_path, 4, 1)
+    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    # the next launch finds the complete checkpoint again, under its own name
+    assert ckpt.latest_tag(tmp_path) == "step_0000004"
+    assert (tmp_path / "step_0000004" / "old").read_text() == "first"
+    ckpt.commit(tmp_path, 4, 1)  # and a later save of that step replaces it cleanly
+    assert (tmp_path / "step_0000004" / "new").exists() and not list(tmp_path.glob("*.replaced"))

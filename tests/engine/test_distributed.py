@@ -1,5 +1,7 @@
 """mean_over_ranks on a real two-process gloo group: the logged loss terms are the ranks' mean, and a
 non-finite term on one rank raises on both."""
+import os
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -29,3 +31,54 @@ def test_one_process_is_the_identity():
 
     t = torch.tensor([1.0, 2.0])
     assert mean_over_ranks(t) is t and t.tolist() == [1.0, 2.0]
+
+
+def _setup_worker(rank, init_file, out, case):
+    from vqlcmd.engine.distributed import RankSetupError, agree_on_setup, data_fingerprint
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    header = {"tokenizer_id": "a", "num_samples": 96, "source": f"/node{rank}/digits"}  # paths may differ
+    if case == "other data" and rank == 1:
+        header["num_samples"] = 95
+    error = ValueError("shard-00001: CRC mismatch") if case == "error" and rank == 1 else None
+    try:
+        agree_on_setup(error, data_fingerprint(header))
+        out[rank] = "ok"
+    except RankSetupError as exc:
+        out[rank] = f"RankSetupError: {exc}"
+    except ValueError as exc:
+        out[rank] = f"own: {exc}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_setup_error_on_one_rank_stops_every_rank(tmp_path):
+    # rank 1 exited on a corrupt shard while rank 0 waited in DeepSpeed's set-up for up to two hours
+    out = mp.Manager().dict()
+    mp.spawn(_setup_worker, args=(str(tmp_path / "init"), out, "error"), nprocs=2, join=True)
+    assert out[1] == "own: shard-00001: CRC mismatch"
+    assert out[0].startswith("RankSetupError: rank 1 failed while opening its data (ValueError: shard-00001")
+
+
+def test_ranks_that_opened_different_data_are_refused(tmp_path):
+    out = mp.Manager().dict()
+    mp.spawn(_setup_worker, args=(str(tmp_path / "init"), out, "other data"), nprocs=2, join=True)
+    assert out[0] == out[1] and "rank(s) [1] disagree with rank 0" in out[0]
+    out = mp.Manager().dict()
+    mp.spawn(_setup_worker, args=(str(tmp_path / "init2"), out, "same data"), nprocs=2, join=True)
+    assert out[0] == out[1] == "ok"  # the source path alone may differ
+
+
+def test_an_mpi_launch_without_ranks_is_refused_not_run_as_copies(monkeypatch):
+    # every process set up a one-rank group of its own and trained a copy of the run into one folder
+    import pytest
+
+    from vqlcmd.engine import distributed
+
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setattr(distributed, "_mpi4py_installed", lambda: False)
+    with pytest.raises(RuntimeError, match=r"started by Open MPI \(4 processes\) without RANK .* install mpi4py"):
+        distributed.init_distributed()
+    assert "RANK" not in os.environ

@@ -180,6 +180,39 @@ def test_a_micro_batch_the_data_cannot_fill_is_a_config_error(tmp_path, tiny_sha
         Trainer({**ds, "train_micro_batch_size_per_gpu": 200}, cfg, log=lambda *a, **k: None)
 
 
+def test_a_finished_run_launched_again_keeps_its_checkpoint(tmp_path, tiny_shards, trainer):
+    # it saved the last step again, replacing (first deleting) the complete checkpoint it had resumed from
+    trainer(tmp_path, tiny_shards, steps=2).train(progress=False)
+    step = tmp_path / "run" / "checkpoints" / "step_0000002"
+    before = step.stat().st_ino
+    assert trainer(tmp_path, tiny_shards, steps=2).train(progress=False) == []
+    assert step.stat().st_ino == before
+
+
+def test_a_checkpoint_missing_other_ranks_files_names_the_shared_filesystem(tmp_path, tiny_shards, trainer):
+    # on nodes that do not share output_dir, rank 0 published a checkpoint holding its own files only
+    from vqlcmd.engine.checkpoint import CheckpointError
+
+    tr = trainer(tmp_path, tiny_shards, steps=1)
+    tr.world = 2  # as if a second rank had written its state on another node's disk
+    with pytest.raises(CheckpointError, match=r"lacks the state of rank\(s\) \[1\] .* filesystem that all nodes share"):
+        tr.save()
+
+
+def test_batch_size_keys_that_disagree_are_config_errors(tmp_path, tiny_shards, make_config):
+    # a train_batch_size beside the micro-batch was dropped unread (a global batch of 16 where 32 was asked),
+    # and one that the ranks x accumulation did not divide was rounded down
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=1)))
+    with pytest.raises(ConfigError, match=r"train_batch_size=32 but train_micro_batch_size_per_gpu=8 x "
+                                          r"gradient_accumulation_steps=1 x 1 rank\(s\) = 8"):
+        Trainer({**ds, "train_batch_size": 32}, cfg, log=lambda *a, **k: None)
+    only_total = {k: v for k, v in ds.items() if k != "train_micro_batch_size_per_gpu"}
+    with pytest.raises(ConfigError, match=r"train_batch_size=9 is not a multiple of 1 rank\(s\) x "
+                                          r"gradient_accumulation_steps=2: .* \(e\.g\. 8\)"):
+        Trainer({**only_total, "train_batch_size": 9, "gradient_accumulation_steps": 2}, cfg, log=lambda *a, **k: None)
+    agreeing = Trainer({**ds, "train_batch_size": 8}, cfg, log=lambda *a, **k: None)
+    assert (agreeing.micro, agreeing.gas) == (8, 1)
+
 
 def test_resume_with_another_number_of_ranks_is_refused_up_front(tmp_path, tiny_shards, trainer):
     import shutil

@@ -46,10 +46,14 @@ def commit(ckpt_dir: Path, step: int, keep: int) -> Path:
     """Rank 0, after all ranks wrote ``<tag>.partial``: publish it and prune old ones."""
     tag = tag_for(step)
     partial, final = ckpt_dir / f"{tag}.partial", ckpt_dir / tag
-    if final.exists():  # the same step saved again (e.g. the end of a resumed run)
-        shutil.rmtree(final)
+    aside = ckpt_dir / f"{tag}.replaced"
+    if final.exists():  # the same step saved again: set the complete one aside (not deleted) until the new one is in
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
     os.replace(partial, final)
     atomic_write_text(ckpt_dir / "latest", tag + "\n")
+    shutil.rmtree(aside, ignore_errors=True)
     # keep the one just published and the newest keep - 1 others (keep = 0: all), even where an older run's
     # checkpoints carry higher step numbers
     others = [p for p in complete_checkpoints(ckpt_dir) if p != final]
@@ -70,6 +74,9 @@ def latest_tag(ckpt_dir: Path) -> Optional[str]:
     latest = ckpt_dir / "latest"
     if latest.is_file():
         tag = latest.read_text().strip()
+        aside = ckpt_dir / f"{tag}.replaced"
+        if not (ckpt_dir / tag).is_dir() and aside.is_dir():  # a crash while commit() replaced it: take it back
+            os.replace(aside, ckpt_dir / tag)
         if (ckpt_dir / tag).is_dir():
             return tag
     done = complete_checkpoints(ckpt_dir)

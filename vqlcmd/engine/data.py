@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 from .config import ConfigError, DataSection, repo_path
-from .distributed import barrier
+from .distributed import agree_on_setup
 
 
 def resolve_shards(data: DataSection, rank: int, log=print) -> tuple[Path, Optional[Path]]:
@@ -18,8 +18,13 @@ def resolve_shards(data: DataSection, rank: int, log=print) -> tuple[Path, Optio
         from ..data.digits import prepare_digits
 
         steps = data.tokenizer_steps
-        info = prepare_digits(steps=steps, log=log, progress=rank == 0) if rank == 0 else None
-        barrier()
+        info, error = None, None
+        if rank == 0:
+            try:
+                info = prepare_digits(steps=steps, log=log, progress=True)
+            except Exception as exc:  # handed to every rank below: the others wait there, and would wait on
+                error = exc
+        agree_on_setup(error, None)  # the others wait here while rank 0 prepares; its failure stops them all
         if info is None:
             info = prepare_digits(steps=steps, log=lambda *a, **k: None, progress=False)
         return Path(info["shards"]), Path(info["tokenizer"])

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
 import socket
+from typing import Optional
 
 import torch
 
@@ -18,21 +21,56 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     """(rank, world_size, local_rank, device). Without a launcher, sets up a one-rank group."""
     import deepspeed
 
-    if "RANK" not in os.environ:  # plain `python scripts/train.py`: one process, its own group
+    launcher = _launcher_without_rank() if "RANK" not in os.environ else None
+    if launcher is not None and not _mpi4py_installed():  # (with mpi4py, DeepSpeed's MPI discovery sets RANK)
+        raise RuntimeError(f"started by {launcher} without RANK / WORLD_SIZE / MASTER_ADDR, and without mpi4py for "
+                           "DeepSpeed to find them: launch with `deepspeed --hostfile ...` (or torchrun), set those "
+                           "variables for each process, or install mpi4py")
+    if "RANK" not in os.environ and launcher is None:  # plain `python scripts/train.py`: one process, its own group
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            _skip_shm_comm_build()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        _skip_shm_comm_build()
+    if launcher is None:  # the device first, as NCCL prefers; under MPI discovery LOCAL_RANK is known only after
+        device = _set_device(backend)
     # Rank 0 may spend many minutes preparing data (the digits tokenizer) while the others wait at a
     # barrier; the default 10-minute collective timeout would kill them.
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=datetime.timedelta(hours=2))
-    return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device
+    if launcher is not None:
+        device = _set_device(backend)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device
+
+
+def _set_device(backend: str) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+# (world size variable, launcher) of launchers that start every process without RANK / WORLD_SIZE
+_LAUNCHER_SIZES = (("OMPI_COMM_WORLD_SIZE", "Open MPI"), ("PMI_SIZE", "MPICH / MVAPICH"), ("SLURM_NTASKS", "Slurm"))
+
+
+def _launcher_without_rank() -> Optional[str]:
+    """The launcher that started this process as one of several without setting RANK, e.g. "Open MPI (4
+    processes)", or None. Each such process set up a one-rank group of its own, and N copies of the run
+    trained side by side into one output folder."""
+    for var, launcher in _LAUNCHER_SIZES:
+        size = os.environ.get(var, "1")
+        if size.isdigit() and int(size) > 1:
+            return f"{launcher} ({size} processes)"
+    return None
+
+
+def _mpi4py_installed() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _skip_shm_comm_build() -> None:
@@ -56,3 +94,38 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
         t /= torch.distributed.get_world_size()
     return t
+
+
+def data_fingerprint(header: dict) -> str:
+    """What every rank must agree on about its token shards: the header without ``source`` (a path, which
+    may differ between nodes that hold copies of one data set)."""
+    seen = {k: v for k, v in header.items() if k != "source"}
+    return hashlib.sha256(json.dumps(seen, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class RankSetupError(RuntimeError):
+    """Another rank failed while setting up; its own error says why."""
+
+
+def agree_on_setup(error: Optional[BaseException], fingerprint: Optional[str]) -> None:
+    """One exchange after each rank has opened its data: a rank's error stops every rank at once (the others
+    would otherwise wait in the next collective until the two-hour timeout), and ranks that opened different
+    data (another tokenizer, another sample count) are refused rather than trained together."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world > 1:
+        said = [None] * world
+        torch.distributed.all_gather_object(said, (None if error is None else f"{type(error).__name__}: {error}",
+                                                   fingerprint))
+    if error is not None:
+        raise error
+    if world == 1:
+        return
+    failed = [(r, e) for r, (e, _) in enumerate(said) if e is not None]
+    if failed:
+        raise RankSetupError(f"rank {failed[0][0]} failed while opening its data ({failed[0][1]}); stopping here too")
+    prints = [fp for _, fp in said]
+    if len(set(prints)) > 1:
+        odd = [r for r, fp in enumerate(prints) if fp != prints[0]]
+        raise RankSetupError(f"the ranks opened different token shards: rank(s) {odd} disagree with rank 0 about "
+                             "their header (tokenizer, sample count, grid or classes); every rank must read the same "
+                             "data set (on several nodes: the same shards and tokenizer, e.g. on a shared filesystem)")

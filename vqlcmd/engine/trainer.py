@@ -26,7 +26,8 @@ from ..schedule import ShiftedCosineSchedule
 from . import checkpoint as ckpt
 from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import resolve_shards
-from .distributed import barrier, init_distributed, mean_over_ranks
+from .distributed import (RankSetupError, agree_on_setup, barrier, data_fingerprint, init_distributed,
+                          mean_over_ranks)
 from .host_memory import keep_freed_memory
 from .optim import build_optimizer, build_scheduler
 from .precision import resolve_bf16
@@ -96,25 +97,45 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "checkpoints"
 
         # ---- data ----------------------------------------------------------------------------
-        shard_dir, tok_dir = resolve_shards(cfg.data, self.rank, log=self.log)
-        self.dataset = TokenShardDataset(shard_dir)
-        self.tokenizer_dir = tok_dir
-        header = self.dataset.header
-        den_cfg = preset_config(cfg.model.preset, **cfg.model.overrides)
-        den_cfg = self._check_against_shards(den_cfg, header, shard_dir)
+        # Each rank opens its own shards; one exchange then stops every rank when one failed (the others
+        # would wait for it in DeepSpeed's set-up) and refuses ranks that opened different data.
+        error = fingerprint = None
+        try:
+            shard_dir, tok_dir = resolve_shards(cfg.data, self.rank, log=self.log)
+            self.dataset = TokenShardDataset(shard_dir)
+            self.tokenizer_dir = tok_dir
+            header = self.dataset.header
+            den_cfg = preset_config(cfg.model.preset, **cfg.model.overrides)
+            den_cfg = self._check_against_shards(den_cfg, header, shard_dir)
+            fingerprint = data_fingerprint(header)
+        except RankSetupError:  # rank 0 failed preparing the digits: every rank already knows
+            raise
+        except Exception as exc:
+            error = exc
+        agree_on_setup(error, fingerprint)
         self.header = header
 
         # ---- batch sizes (DeepSpeed's keys are the truth; fill in what it can derive) ------------
         ds = dict(ds_config)
         micro = ds.get("train_micro_batch_size_per_gpu")
         gas = ds.get("gradient_accumulation_steps", 1)
+        total = ds.get("train_batch_size")
         if micro is None:
-            if "train_batch_size" not in ds:
+            if total is None:
                 raise ConfigError("set train_micro_batch_size_per_gpu or train_batch_size in the config")
-            micro = ds["train_batch_size"] // (gas * self.world)
+            micro = total // (gas * self.world)
             if micro < 1:
-                raise ConfigError(f"train_batch_size={ds['train_batch_size']} cannot give each of {self.world} rank(s) "
+                raise ConfigError(f"train_batch_size={total} cannot give each of {self.world} rank(s) "
                                   f"a micro-batch over gradient_accumulation_steps={gas}")
+            if micro * gas * self.world != total:  # it trained at the rounded-down batch, silently
+                raise ConfigError(
+                    f"train_batch_size={total} is not a multiple of {self.world} rank(s) x gradient_accumulation_steps="
+                    f"{gas}: set a train_batch_size that is (e.g. {micro * gas * self.world}), or set "
+                    "train_micro_batch_size_per_gpu instead")
+        elif total is not None and micro * gas * self.world != total:  # DeepSpeed's own rule; it was dropped unread
+            raise ConfigError(
+                f"train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps="
+                f"{gas} x {self.world} rank(s) = {micro * gas * self.world}: remove one of the keys or make them agree")
         ds["train_micro_batch_size_per_gpu"] = micro
         ds["gradient_accumulation_steps"] = gas
         ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
@@ -247,6 +268,7 @@ class Trainer:
         cfg = self.cfg.train
         if cfg.resume:
             self.load()
+        start = self.step
         stop = cfg.steps if until is None else min(until, cfg.steps)
         history = []
         batches = self.loader.forever()
@@ -270,7 +292,10 @@ class Trainer:
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step != cfg.steps:
                 self.save()
         bar.close()
-        self.save()
+        # a finished run launched again trains nothing: its checkpoint stands (saving the same step again
+        # would only replace it, and risk it)
+        if self.step != start or ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
+            self.save()
         return history
 
     def _log_scalars(self, terms: dict, images_per_s: float) -> None:
@@ -353,6 +378,13 @@ class Trainer:
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=partial.name, client_state=client, save_latest=False)
         torch.save(self._rank_state(), partial / f"rank_{self.rank:05d}_state.pt")
         barrier()
+        # every rank looks (so all stop together): on nodes that do not share output_dir, each sees its own files
+        missing = [r for r in range(self.world) if not (partial / f"rank_{r:05d}_state.pt").is_file()]
+        if missing:
+            raise ckpt.CheckpointError(
+                f"{partial} lacks the state of rank(s) {missing[:8]} after every rank wrote it: train.output_dir must "
+                "be on a filesystem that all nodes share (checkpoints hold every rank's files in one folder)")
+        barrier()  # every rank has looked before rank 0 renames the folder
         if self.rank == 0:
             (partial / "config.json").write_text(json.dumps(self.resolved_config, indent=2))
             final = ckpt.commit(self.ckpt_dir, self.step, self.cfg.train.keep_checkpoints)
