@@ -64,6 +64,7 @@ def main(argv=None) -> int:
 
     from vqlcmd.data.shards import ShardError
     from vqlcmd.engine.checkpoint import CheckpointError
+    from vqlcmd.engine.distributed import RankSetupError
     from vqlcmd.engine.trainer import Trainer
 
     try:
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
         trainer.train(progress=not args.no_progress)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except RankSetupError as exc:  # another rank's error (printed by that rank) or ranks on different data
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr)
