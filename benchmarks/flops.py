@@ -41,11 +41,14 @@ H100_SXM_PEAK_BF16_FLOPS = 989.4e12
 H100_PCIE_PEAK_BF16_FLOPS = 756.0e12
 H200_PEAK_BF16_FLOPS = 989.4e12  # same SXM compute as H100, more and faster memory
 A100_PEAK_BF16_FLOPS = 312.0e12
+NVL_PEAK_BF16_FLOPS = 835.5e12  # H100 NVL and H200 NVL (PCIe cards, lower clocks): 1671 with sparsity
 
 
 def peak_bf16_flops(device_name: str) -> Optional[float]:
     """The card's dense bf16 peak, or None for a card not in the table (MFU is then not reported)."""
     name = device_name.upper()
+    if ("H100" in name or "H200" in name) and "NVL" in name:  # checked first: their names hold "H100"/"H200"
+        return NVL_PEAK_BF16_FLOPS
     if "H200" in name:
         return H200_PEAK_BF16_FLOPS
     if "H100" in name:

@@ -5,15 +5,17 @@
 #   3. runs benchmarks/run.py on the GPU (rows appended per stage, so a cut-off run keeps its stages):
 #      the softmax_embedding_average variants, the compiled ops, then the other stages,
 #   4. runs the quick start's training + evaluation on the GPU (configs/ds_digits.json).
-# Usage: bash scripts/gpu_check.sh OUT_DIR [SECONDS]. Every step gets a share of SECONDS (default 540)
-# and its log in OUT_DIR; a failing step does not stop the later ones. STEPS=name,name,... runs only
+# Usage: bash scripts/gpu_check.sh OUT_DIR [SECONDS]. Steps run in order, each for at most its own limit
+# and what is left of SECONDS (default 540), so the later ones get nothing once the budget is spent (the
+# limits add up to more than 540 s: choose with STEPS); each logs to OUT_DIR, and a failing step does
+# not stop the later ones. STEPS=name,name,... runs only
 # those steps (names as printed: build, gpu-tests, bench-softmax-bwd, bench-softmax-fwd, bench-compiled,
 # bench, quickstart), e.g. the benchmarks in one lease and the tests in the next. Needs the project's
 # Python dependencies importable (installed, or on PYTHONPATH) and nvcc for the build.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # before the cd below: a relative OUT_DIR is the caller's
+cd "$(dirname "$0")/.."
 deadline=$(( $(date +%s) + ${2:-540} ))
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then

@@ -112,6 +112,8 @@ def dist_setup(args):
     local = int(os.environ.get("LOCAL_RANK", args.local_rank if args.local_rank is not None else 0))
     if args.device:
         device = torch.device(args.device)
+        if device.type == "cuda" and device.index is None:  # "--device cuda": this process's GPU
+            device = torch.device("cuda", local)
     elif torch.cuda.is_available():
         device = torch.device("cuda", local)
     else:

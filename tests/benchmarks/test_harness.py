@@ -99,3 +99,14 @@ def test_kernel_fraction_of_copy_where_a_replay_falls_short(monkeypatch):
     monkeypatch.setattr(stage, "kernel_sum_ms", no_activity)
     extra = stage._kernel_fraction(build, torch.device("cuda"), nbytes=1, copy_bps=1.0)
     assert extra["kernel_ms"].startswith("n/a: ") and "no CUDA activity" in extra["kernel_ms"]
+
+
+def test_peak_flops_tells_the_nvl_cards_apart():
+    # the H100 NVL took the SXM peak (989 TFLOP/s), which understated its MFU by 16%
+    from benchmarks import flops
+
+    assert flops.peak_bf16_flops("NVIDIA H100 80GB HBM3") == flops.H100_SXM_PEAK_BF16_FLOPS
+    assert flops.peak_bf16_flops("NVIDIA H100 PCIe") == flops.H100_PCIE_PEAK_BF16_FLOPS
+    assert flops.peak_bf16_flops("NVIDIA H100 NVL") == flops.peak_bf16_flops("NVIDIA H200 NVL") == 835.5e12
+    assert flops.peak_bf16_flops("NVIDIA H200") == flops.H200_PEAK_BF16_FLOPS
+    assert flops.peak_bf16_flops("Tesla T4") is None

@@ -47,3 +47,19 @@ def test_other_values_are_refused_with_the_key(tmp_path, bad):
 def test_auto_is_accepted_by_the_config():
     ds, _ = load_config("ds_digits.json")
     assert ds["bf16"]["enabled"] == "auto"
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_auto_on_a_gpu_is_bf16_from_ampere_on_only(monkeypatch, capability, expected):
+    # torch counts the emulated bf16 of a V100 or T4 as support by default: "auto" trained them in bf16
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d=None: types.SimpleNamespace(major=capability[0], minor=capability[1]))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda d: True)  # a bf16 tensor can be made
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "a GPU")
+    on, why = resolve_bf16("auto", torch.device("cuda", 0))
+    assert on is expected, why

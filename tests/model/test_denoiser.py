@@ -126,3 +126,31 @@ def test_adaln_is_the_modulated_layernorm(gen):
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+class _SaysCuda(torch.Tensor):
+    """A CPU tensor that reports CUDA: enough for attention's dispatch decision."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("capability, head_dim, expected", [((9, 0), 64, "flash2"), ((9, 0), 512, "sdpa"),
+                                                           ((8, 6), 128, "flash2"), ((7, 5), 64, "sdpa")])
+def test_auto_attention_takes_flash_only_where_it_runs(monkeypatch, capability, head_dim, expected):
+    # FlashAttention refuses GPUs before Ampere and head dims over 256: auto sent them there and crashed
+    import importlib
+
+    attn = importlib.import_module("vqlcmd.model.attention")  # the module (the package exports the function)
+    monkeypatch.setattr(attn, "_fa3_func", None)
+    monkeypatch.setattr(attn, "_fa2_func", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    q = torch.randn(1, 2, 8, head_dim).to(torch.float16).as_subclass(_SaysCuda)
+    assert attn.attention_backend_for(q, 0.0) == expected
+    monkeypatch.setattr(attn, "_fa3_func", lambda *a, **k: None)
+    assert attn.attention_backend_for(q, 0.0) == ("flash3" if capability[0] == 9 and head_dim <= 256 else expected)

@@ -700,3 +700,19 @@ def test_short_attention_opcheck_and_compile(gen):
     assert_compiled_graph_matches_reference(ops.short_attention, (q, k, v),
                                             value_tol=dict(atol=1e-5, rtol=1e-5),
                                             grad_tol=dict(atol=2e-5, rtol=1e-5))
+
+
+@pytest.mark.parametrize("archs, capability, serves", [("9.0", (8, 0), False), ("9.0", (9, 0), True),
+                                                       ("8.0", (8, 6), True), ("8.0", (9, 0), False),
+                                                       ("8.0+PTX", (9, 0), True), ("8.0;9.0", (10, 0), False)])
+def test_compiled_cuda_kernels_are_claimed_only_for_gpus_they_were_built_for(monkeypatch, archs, capability, serves):
+    # an sm_90 build was picked by auto on an A100: the first step died with "no kernel image is available"
+    import types
+
+    monkeypatch.setattr(_compiled, "build_info", lambda: {"with_cuda": True, "cuda_arch_list": archs})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    x = types.SimpleNamespace(is_floating_point=lambda: True, dtype=torch.float32, device=torch.device("cuda", 0))
+    why = _compiled.unsupported(x, x)
+    assert (why is None) is serves, why
+    if not serves:
+        assert f"not this GPU's {capability[0]}.{capability[1]}" in why and "TORCH_CUDA_ARCH_LIST" in why

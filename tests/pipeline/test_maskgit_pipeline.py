@@ -62,3 +62,24 @@ def test_zero_images_in_every_output_type(which, maskgit, tiny_pipeline):
     assert pipe(num_images=0, output_type="pt").shape == (0, 1, 16, 16)
     assert pipe(num_images=0, output_type="pil") == []
     assert pipe([], output_type="tokens").shape == (0, 4, 4)
+
+
+def test_maskgit_samples_through_the_pipelines_denoiser(maskgit, monkeypatch):
+    # it called net.denoiser directly: enable_fast_sampling ("compile", "cudagraphs") changed nothing for it
+    calls = []
+
+    def fake_compile(module, **kw):  # stands in for torch.compile: counts the calls of what it returns
+        def run(*a, **k):
+            calls.append(kw)
+            return module(*a, **k)
+        run.cfg = module.cfg
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    eager = maskgit(LABELS, output_type="tokens", generator=torch.Generator().manual_seed(0))
+    maskgit.enable_fast_sampling("compile")
+    try:
+        fast = maskgit(LABELS, output_type="tokens", generator=torch.Generator().manual_seed(0))
+    finally:
+        maskgit.disable_fast_sampling()
+    assert len(calls) == 3 and torch.equal(fast, eager)  # one call per step, guided in one batch

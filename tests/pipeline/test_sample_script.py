@@ -101,3 +101,18 @@ def test_bad_options_are_refused_before_anything_is_written(sample_script, pipe_
         sample_script.main(_args(pipe_dir, out, *bad))
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not out.exists()  # a manifest of the bad settings would refuse the corrected rerun
+
+
+def test_device_cuda_without_an_index_means_this_process_gpu(sample_script, monkeypatch):
+    # torch.cuda.set_device(torch.device("cuda")) raised: --device cuda failed on every GPU machine
+    import argparse
+
+    import torch
+
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
+    _, _, device = sample_script.dist_setup(argparse.Namespace(device="cuda", local_rank=None))
+    assert device == torch.device("cuda", 1) and chosen == [device]

@@ -129,14 +129,15 @@ def _gumbel(shape, device, generator: Generators) -> torch.Tensor:
 def maskgit_sample(net: VQLCMDNetwork, *, class_labels: Optional[torch.Tensor] = None,
                    num_samples: Optional[int] = None, num_steps: Optional[int] = None, guidance_scale: float = 0.0,
                    cfg: Optional[MaskGITConfig] = None, generator: Optional[torch.Generator] = None,
-                   return_trace: bool = False):
+                   return_trace: bool = False, denoiser=None):
     """Iterative confidence decoding (Chang et al. §3.3, with Besnier & Chen's Gumbel noise and guidance).
 
     Returns tokens (B, M) int64; with ``return_trace`` also the list of (B, M) bool masks of the
-    positions unmasked at each step.
+    positions unmasked at each step. ``denoiser`` replaces ``net.denoiser`` in the loop (the pipeline's
+    compiled one under fast sampling).
     """
     cfg = cfg or MaskGITConfig()
-    den = net.denoiser
+    den = net.denoiser if denoiser is None else denoiser
     K, M, C = den.cfg.codebook_size, den.cfg.seq_len, den.cfg.num_classes
     device = net.embedding.weight.device
     y, B = resolve_labels(C, class_labels, num_samples, guidance_scale, device)
@@ -201,7 +202,11 @@ class MaskGITPipeline(VQLCMDPipeline):
         num_steps = self.maskgit.num_steps if num_steps is None else num_steps
         labels, n, guidance_scale, generator = self._request(class_labels, num_images, guidance_scale, generator,
                                                              output_type)
-        chunks = [maskgit_sample(self.network, num_steps=num_steps, guidance_scale=guidance_scale, cfg=self.maskgit,
-                                 **kw)
-                  for _, _, kw in self._chunks(labels, n, batch_size, generator)]
+        # through the pipeline's denoiser and autocast, as the diffusion samplers: enable_fast_sampling did nothing
+        # here, and half-precision weights ran without autocast
+        denoiser = self._denoiser()
+        with self._autocast():
+            chunks = [maskgit_sample(self.network, num_steps=num_steps, guidance_scale=guidance_scale,
+                                     cfg=self.maskgit, denoiser=denoiser, **kw)
+                      for _, _, kw in self._chunks(labels, n, batch_size, generator)]
         return self._output(chunks, output_type)

@@ -1,7 +1,8 @@
 """One attention function with a fast path and plain paths side by side (nanoGPT habit).
 
 Order under ``backend="auto"``: FlashAttention-3 (``flash_attn_interface``), then
-FlashAttention-2 (``flash_attn``), for CUDA fp16/bf16 inputs; on CPU without dropout, the
+FlashAttention-2 (``flash_attn``), for CUDA fp16/bf16 inputs with head dim <= 256 on GPUs they run on
+(FA3: Hopper, FA2: Ampere and later); on CPU without dropout, the
 extension's short-sequence kernel (``"compiled"``, ``vqlcmd.ops.short_attention``); then
 PyTorch SDPA (which itself picks flash / memory-efficient / math kernels); ``"math"`` is the
 explicit softmax(QKᵀ/√d)V, kept as the readable definition the others are tested against.
@@ -27,15 +28,22 @@ ATTENTION_BACKENDS = ("auto", "flash3", "flash2", "compiled", "sdpa", "math")
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    """What both FlashAttention versions take: CUDA, fp16/bf16, head dim <= 256 (they refuse more)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+
+def _capability(q: torch.Tensor) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(q.device)
 
 
 def attention_backend_for(q: torch.Tensor, dropout_p: float) -> str:
-    """The backend ``auto`` uses for these inputs (logged by the engine)."""
+    """The backend ``auto`` uses for these inputs (logged by the engine). FA3 runs on Hopper only, FA2 from
+    Ampere on: on older GPUs (V100, T4) both refuse, so ``auto`` takes SDPA there."""
     if _flash_ok(q):
-        if _fa3_func is not None and dropout_p == 0.0:  # FA3 has no dropout
+        major = _capability(q)[0]
+        if _fa3_func is not None and dropout_p == 0.0 and major == 9:  # FA3 has no dropout
             return "flash3"
-        if _fa2_func is not None:
+        if _fa2_func is not None and major >= 8:
             return "flash2"
     if dropout_p == 0.0 and q.device.type == "cpu" and _compiled_why_not(q) is None:
         return "compiled"
@@ -71,7 +79,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
         if fn is None:
             raise RuntimeError(f"attention backend {backend!r} requested but its package is not installed")
         if not _flash_ok(q):
-            raise RuntimeError(f"{backend} needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}")
+            raise RuntimeError(f"{backend} needs CUDA fp16/bf16 tensors with head dim <= 256, got {q.dtype} on "
+                               f"{q.device}, head dim {q.shape[-1]}")
         # flash-attn takes (B, M, H, hd)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         if backend == "flash3":

@@ -63,9 +63,38 @@ def unsupported(*tensors: torch.Tensor) -> Optional[str]:
     device = tensors[0].device
     if device.type == "cuda" and not build_info().get("with_cuda", False):
         return "vqlcmd._C was built without CUDA kernels (no toolkit or VQLCMD_SKIP_CUDA=1 at build time)"
+    if device.type == "cuda":
+        why = _arch_mismatch(device)
+        if why:
+            return why
     if device.type not in ("cpu", "cuda"):
         return f"compiled kernels run on cpu and cuda, got device {device}"
     return None
+
+
+def _built_archs() -> list[tuple[int, int, bool]]:
+    """(major, minor, with PTX) of each architecture in the build's list, e.g. "8.0;9.0+PTX"."""
+    out = []
+    for item in str(build_info().get("cuda_arch_list", "")).replace(",", ";").replace(" ", ";").split(";"):
+        name = item.strip().upper()
+        ptx = name.endswith("+PTX")
+        digits = name.removesuffix("+PTX").rstrip("A").split(".")
+        if len(digits) == 2 and digits[0].isdigit() and digits[1].isdigit():
+            out.append((int(digits[0]), int(digits[1]), ptx))
+    return out
+
+
+def _arch_mismatch(device: torch.device) -> Optional[str]:
+    """Why the CUDA kernels cannot run on this GPU (None: they can). sm_XY code runs on X.Y and later minors
+    of major X; PTX also compiles for later majors. An unreadable list is trusted."""
+    built = _built_archs()
+    if not built:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if any(m == major and n <= minor or ptx and (m, n) <= (major, minor) for m, n, ptx in built):
+        return None
+    return (f"vqlcmd._C's CUDA kernels were built for sm {build_info().get('cuda_arch_list')}, not this GPU's "
+            f"{major}.{minor}: rebuild with TORCH_CUDA_ARCH_LIST=\"{major}.{minor}\" (the reference serves it meanwhile)")
 
 
 def _priority(device: torch.device) -> int:
