@@ -7,6 +7,8 @@ The tensor's device picks the CPU or CUDA kernel through the dispatcher.
 """
 from __future__ import annotations
 
+import functools
+
 import os
 from typing import Optional
 
@@ -72,16 +74,21 @@ def unsupported(*tensors: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _built_archs() -> list[tuple[int, int, bool]]:
-    """(major, minor, with PTX) of each architecture in the build's list, e.g. "8.0;9.0+PTX"."""
+def _built_archs() -> tuple[tuple[int, int, bool], ...]:
+    return _parse_archs(str(build_info().get("cuda_arch_list", "")))
+
+
+@functools.lru_cache(maxsize=None)  # asked on every dispatch of a CUDA op
+def _parse_archs(text: str) -> tuple[tuple[int, int, bool], ...]:
+    """(major, minor, with PTX) of each architecture in an arch list such as "8.0;9.0+PTX"."""
     out = []
-    for item in str(build_info().get("cuda_arch_list", "")).replace(",", ";").replace(" ", ";").split(";"):
+    for item in text.replace(",", ";").replace(" ", ";").split(";"):
         name = item.strip().upper()
         ptx = name.endswith("+PTX")
         digits = name.removesuffix("+PTX").rstrip("A").split(".")
         if len(digits) == 2 and digits[0].isdigit() and digits[1].isdigit():
             out.append((int(digits[0]), int(digits[1]), ptx))
-    return out
+    return tuple(out)
 
 
 def _arch_mismatch(device: torch.device) -> Optional[str]:
