@@ -8,7 +8,6 @@ The tensor's device picks the CPU or CUDA kernel through the dispatcher.
 from __future__ import annotations
 
 import functools
-
 import os
 from typing import Optional
 
