@@ -34,6 +34,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from vqlcmd.cli import choices_list, positive_int  # noqa: E402
+
 IMAGE_EXTS = (".png", ".jpg", ".jpeg")
 
 
@@ -51,9 +53,25 @@ def read_image(path: Path, grey: bool = False) -> np.ndarray:
         return np.asarray(im.convert("L" if grey else "RGB"))
 
 
+def stack_images(files, grey: bool = False, size=None) -> np.ndarray:
+    """The files' pixels as one array; images of another size than ``size`` (default: the first's) are an
+    error naming both (np.stack's "all input arrays must have the same shape" named no file)."""
+    arrs = [read_image(f, grey) for f in files]
+    size = size or arrs[0].shape[:2]
+    odd = next((i for i, a in enumerate(arrs) if a.shape[:2] != size), None)
+    if odd is not None:
+        h, w = arrs[odd].shape[:2]
+        raise SystemExit(f"images of different sizes: {files[odd].name} is {w}x{h}, the others {size[1]}x{size[0]}; "
+                         "resize them to one size first")
+    return np.stack(arrs)
+
+
 def folder_batches(files, batch_size: int):
+    size = None
     for i in range(0, len(files), batch_size):
-        yield np.stack([read_image(f) for f in files[i:i + batch_size]])
+        batch = stack_images(files[i:i + batch_size], size=size)
+        size = batch.shape[1:3]
+        yield batch
 
 
 def load_labels(source: Path, n: int):
@@ -98,20 +116,32 @@ def reference_features(ref: Path, extractor, batch_size: int) -> dict:
     return extractor(batches)
 
 
+def _statistics_without_features(ref: Path) -> bool:
+    if ref.suffix != ".npz" or not ref.is_file():
+        return False
+    try:
+        with np.load(ref) as data:
+            keys = set(data.files)
+    except (OSError, ValueError) as exc:  # numpy calls a file that is not a zip "pickled data"
+        raise SystemExit(f"--ref {ref}: not a readable .npz ({exc})") from None
+    return "arr_0" not in keys and "pool" not in keys
+
+
 def evaluate_inception(args) -> dict:
     from vqlcmd.metrics.inception import InceptionFeatures, inception_metrics
     from vqlcmd.metrics.stats import feature_statistics
 
-    metrics = tuple(m.strip() for m in args.metrics.split(","))
-    unknown = set(metrics) - {"fid", "is", "pr"}
-    if unknown:
-        raise SystemExit(f"--metrics: unknown {sorted(unknown)}; choose from fid, is, pr")
+    metrics = tuple(args.metrics)
     if ("fid" in metrics or "pr" in metrics) and not args.ref:
         raise SystemExit("FID and precision/recall need --ref (or use --metrics is)")
+    if args.ref and "pr" in metrics and _statistics_without_features(Path(args.ref)):
+        # found only after every sample was encoded, which lost the FID and IS computed with them
+        raise SystemExit(f"--ref {args.ref} holds mu/sigma only: precision/recall need its pool features "
+                         "(use --metrics fid,is, or a reference of images or saved with --save-ref)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         extractor = InceptionFeatures(args.inception_weights, device=device, batch_size=args.batch_size)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(str(exc))
     _, batches = image_source(Path(args.samples), args.batch_size)
     fake = extractor(batches)
@@ -122,6 +152,8 @@ def evaluate_inception(args) -> dict:
             mu, sigma = feature_statistics(ref["pool"])
             np.savez(args.save_ref, mu=mu, sigma=sigma, pool=ref["pool"])
             print(f"reference statistics -> {args.save_ref}", file=sys.stderr)
+        elif args.save_ref:
+            print(f"--save-ref: nothing saved, {args.ref} is already statistics without features", file=sys.stderr)
     return inception_metrics(fake, ref, k=args.k, splits=args.splits, metrics=metrics)
 
 
@@ -130,7 +162,7 @@ def evaluate_digits(args) -> dict:
 
     src = Path(args.samples)
     if src.is_dir():
-        images = np.stack([read_image(f, grey=True) for f in image_files(src)])
+        images = stack_images(image_files(src), grey=True)
     else:
         _, batches = image_source(src, 1 << 30)
         images = next(iter(batches))
@@ -138,7 +170,7 @@ def evaluate_digits(args) -> dict:
     x = torch.as_tensor(np.asarray(images, dtype=np.float32) / 255.0)[:, None]
     labels = load_labels(src, len(x))
     out = evaluate_digit_samples(x, labels)
-    out["real_halves"] = real_reference(x.shape[-1])
+    out["real_halves"] = real_reference(x.shape[-1], n=len(x))  # the floor at this many samples, not at 899
     return out
 
 
@@ -149,11 +181,12 @@ def main(argv=None) -> int:
     p.add_argument("--digits", action="store_true", help="digits metrics against the embedded real digits")
     p.add_argument("--inception-weights", default=None,
                    help="local weights-inception-2015-12-05-6726825d.pth (default $VQLCMD_INCEPTION_WEIGHTS)")
-    p.add_argument("--metrics", default="fid,is,pr", help="comma-separated subset of fid, is, pr")
-    p.add_argument("--k", type=int, default=3, help="neighbourhood size for precision/recall")
-    p.add_argument("--splits", type=int, default=10, help="Inception Score splits")
+    p.add_argument("--metrics", type=choices_list(("fid", "is", "pr")), default=["fid", "is", "pr"],
+                   help="comma-separated subset of fid, is, pr")
+    p.add_argument("--k", type=positive_int, default=3, help="neighbourhood size for precision/recall")
+    p.add_argument("--splits", type=positive_int, default=10, help="Inception Score splits")
     p.add_argument("--save-ref", default=None, help="save the reference's mu/sigma/pool features to this .npz")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)

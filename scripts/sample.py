@@ -140,17 +140,37 @@ def barrier(world):
         dist.barrier()
 
 
+def seed_value(text: str) -> int:
+    """A seed the per-image seeds (seed << 32 | index) keep apart: a negative one aliased another, and one of
+    2**31 or more overflowed the generator's int64 after the manifest was written."""
+    value = int(text)
+    if not 0 <= value < 2 ** 31:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**31), got {value}")
+    return value
+
+
 def check_manifest(out: Path, settings: dict, rank: int, world: int) -> None:
     path = out / MANIFEST
     if rank == 0:
+        if out.exists() and not out.is_dir():
+            raise SystemExit(f"--out {out} is a file, not a folder")
         out.mkdir(parents=True, exist_ok=True)
         if path.is_file():
-            old = json.loads(path.read_text())
+            try:
+                old = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"{path} is not readable JSON ({exc}): delete it, with the images beside it, "
+                                 "or use another --out") from None
             diff = {k: (old.get(k), settings[k]) for k in IMAGE_KEYS if old.get(k) != settings[k]}
             if diff:
                 raise SystemExit(f"{out} holds samples made with other settings {diff} (old, new); "
                                  "use another --out or delete the folder")
         else:
+            # no manifest: images there were not made by this script, and would have been kept as samples
+            foreign = sorted(f.name for f in out.glob("[0-9]" * 6 + ".png"))
+            if foreign:
+                raise SystemExit(f"{out} holds {len(foreign)} image(s) named like samples ({foreign[0]}, ...) but "
+                                 f"no {MANIFEST}: not samples of this script; use another --out or empty it")
             tmp = path.with_name(MANIFEST + ".tmp")
             tmp.write_text(json.dumps(settings, indent=1))
             os.replace(tmp, path)
@@ -162,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--pipeline", required=True, help="exported pipeline folder (model.safetensors + config.json)")
     p.add_argument("--out", required=True, help="folder for the PNGs (and manifest.json)")
     p.add_argument("-n", "--num-samples", type=positive_int, required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_value, default=0, help="0 <= seed < 2**31 (image i draws from seed << 32 | i)")
     p.add_argument("--labels", default="cycle", help="'cycle' (i mod C), 'random', or class ids '3' / '1,7'")
     p.add_argument("--num-steps", type=positive_int, default=None, help="default: the pipeline's exported setting")
     p.add_argument("--guidance-scale", type=non_negative_float, default=None, help="ω (0: no guidance)")
@@ -179,6 +199,8 @@ def main(argv=None) -> int:
     # the value types refuse bad numbers before anything is written: a manifest of bad settings would
     # refuse the corrected rerun as "other settings"
     args = p.parse_args(argv)
+    if args.npz and Path(args.npz).is_dir():  # found only after sampling, leaving a .tmp.npz behind
+        p.error(f"--npz {args.npz} is a folder; give the .npz file's path")
 
     from vqlcmd.pipeline import VQLCMDPipeline, image_generators
 
@@ -189,7 +211,12 @@ def main(argv=None) -> int:
         msg = keep_freed_memory()
         if rank == 0:
             print(msg, file=sys.stderr)
-    pipe = VQLCMDPipeline.from_pretrained(args.pipeline, device=device, dtype=getattr(torch, args.dtype))
+    try:
+        pipe = VQLCMDPipeline.from_pretrained(args.pipeline, device=device, dtype=getattr(torch, args.dtype))
+    except (FileNotFoundError, ValueError) as exc:  # a missing folder or file, a config or weights that do not fit
+        raise SystemExit(f"--pipeline: {exc}") from None
+    if pipe.tokenizer is None:  # found by the first batch otherwise, after the manifest was written
+        raise SystemExit(f"{args.pipeline} names no tokenizer to decode its tokens into images")
     d = pipe.sample_defaults
     if d.get("sampler") == "maskgit" and (args.sampler or args.final):  # a MaskGIT pipeline has its own sampler
         raise SystemExit(f"{args.pipeline} holds a MaskGIT model: --sampler and --final do not apply")
@@ -224,9 +251,10 @@ def main(argv=None) -> int:
         idx = mine[start:start + args.batch_size]
         gens = image_generators([image_seed(args.seed, i) for i in idx], device=device)
         kw = dict(class_labels=[labels[i] for i in idx]) if C else dict(num_images=len(idx))
+        if d.get("sampler") != "maskgit":  # MaskGIT's own sampler takes neither
+            kw.update(sampler=settings["sampler"], final=settings["final"])
         images = pipe(**kw, num_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"],
-                      sampler=settings["sampler"], final=settings["final"], generator=gens,
-                      batch_size=args.batch_size, output_type="pt")
+                      generator=gens, batch_size=args.batch_size, output_type="pt")
         for i, img in zip(idx, images):
             save_png(img, out / png_name(i))
         if bar is not None:

@@ -86,12 +86,18 @@ class VQLCMDPipeline:
         except Exception as exc:  # safetensors' errors name neither the file nor what to do
             raise ValueError(f"{folder / WEIGHTS}: unreadable weights, truncated or corrupt ({exc}); export the "
                              "pipeline again (scripts/train.py writes one with every checkpoint)") from exc
-        missing, unexpected = network.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = network.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # a tensor of another shape than the config gives (e.g. embed_dim)
+            raise ValueError(f"{folder / WEIGHTS}: weights do not fit the config's sizes ({exc})") from exc
         if missing or unexpected:
             raise ValueError(f"{folder / WEIGHTS}: weights do not fit the config (missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]})")
         network = network.to(device=device, dtype=dtype)
-        sched = ShiftedCosineSchedule(**config["schedule"])
+        try:
+            sched = ShiftedCosineSchedule(**config["schedule"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{folder / CONFIG}: no usable schedule section ({type(exc).__name__}: {exc})") from exc
         tok_ref = config.get("tokenizer") or {}
         tokenizer = None
         if load_tokenizer and tok_ref.get("path"):
@@ -191,6 +197,9 @@ class VQLCMDPipeline:
         """(labels (n,) or None, n, ω, generator: one, None or a list of n) from a call's arguments, checked."""
         if output_type not in ("pil", "pt", "tokens"):
             raise ValueError(f"output_type must be 'pil', 'pt' or 'tokens', got {output_type!r}")
+        if output_type != "tokens" and self.tokenizer is None:  # found only after sampling every image
+            raise ValueError(f"output_type={output_type!r} needs a tokenizer to decode the tokens, and none is loaded "
+                             "(from_pretrained(load_tokenizer=True), or output_type='tokens')")
         explicit_guidance = guidance_scale is not None
         guidance_scale = self.sample_defaults.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
         cfg = self.network.config
@@ -236,9 +245,7 @@ class VQLCMDPipeline:
         tokens = tokens.view(-1, *self.grid)
         if output_type == "tokens":
             return tokens
-        if not len(tokens):  # the tokenizer's decoder cannot reshape an empty batch
-            if self.tokenizer is None:
-                self.decode(tokens)  # raises, naming the missing tokenizer
+        if not len(tokens):  # the tokenizer's decoder cannot reshape an empty batch (_request saw it loaded)
             h, w = self.tokenizer.image_size
             images = torch.empty(0, self.tokenizer.channels, h, w)
         else:

@@ -57,6 +57,7 @@ def test_digits_mode_on_real_digits(evaluate, tmp_path, capsys):
     assert evaluate.main([str(tmp_path / "s"), "--digits", "--json", str(tmp_path / "r.json")]) == 0
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["num_samples"] == len(idx) and r["accuracy"] > 0.97
+    assert r["real_halves"]["num_samples"] == len(idx)  # the floor at this many samples (it was 899 always)
     assert r["precision"] > 0.97 and r["fid"] < 2 * r["real_halves"]["fid"] + 0.5
     # the same set as an ADM-layout npz (grey repeated to RGB, labels in arr_1)
     np.savez(tmp_path / "s.npz", arr_0=np.repeat(arr[..., None], 3, -1), arr_1=labels[idx].numpy())
@@ -124,3 +125,30 @@ def test_missing_inputs_are_named(evaluate, tmp_path):
     with pytest.raises(SystemExit, match=r"--ref: .*gone\.npz does not exist"):
         evaluate.main([str(tmp_path / "s.npz"), "--ref", str(tmp_path / "gone.npz")])
 
+
+
+def test_bad_inputs_are_refused_before_any_image_is_encoded(evaluate, tmp_path, capsys):
+    from PIL import Image
+
+    np.savez(tmp_path / "s.npz", arr_0=np.zeros((2, 8, 8, 3), np.uint8))
+    np.savez(tmp_path / "stats.npz", mu=np.zeros(4), sigma=np.eye(4))
+    weights = ["--inception-weights", str(tmp_path / "nowhere.pth")]  # never reached
+    # statistics without features: precision/recall failed only after every sample was encoded
+    with pytest.raises(SystemExit, match="holds mu/sigma only: precision/recall need its pool features"):
+        evaluate.main([str(tmp_path / "s.npz"), "--ref", str(tmp_path / "stats.npz"), *weights])
+    (tmp_path / "notzip.npz").write_bytes(b"garbage")
+    with pytest.raises(SystemExit, match="not a readable .npz"):
+        evaluate.main([str(tmp_path / "s.npz"), "--ref", str(tmp_path / "notzip.npz"), *weights])
+    for flag, value in (("--k", "0"), ("--splits", "0"), ("--batch-size", "0"), ("--metrics", "fid,kid")):
+        with pytest.raises(SystemExit) as exc:  # k = 0 gave precision and recall of 0 with exit code 0
+            evaluate.main([str(tmp_path / "s.npz"), flag, value])
+        assert exc.value.code == 2 and flag in capsys.readouterr().err
+    (tmp_path / "garbage.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit, match="is not torch-fidelity's Inception-v3"):
+        evaluate.main([str(tmp_path / "s.npz"), "--metrics", "is", "--inception-weights", str(tmp_path / "garbage.pth")])
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    Image.new("L", (32, 32)).save(mixed / "a.png")
+    Image.new("L", (48, 40)).save(mixed / "b.png")
+    with pytest.raises(SystemExit, match="images of different sizes: b.png is 48x40, the others 32x32"):
+        evaluate.main([str(mixed), "--digits"])

@@ -83,3 +83,27 @@ def test_maskgit_samples_through_the_pipelines_denoiser(maskgit, monkeypatch):
     finally:
         maskgit.disable_fast_sampling()
     assert len(calls) == 3 and torch.equal(fast, eager)  # one call per step, guided in one batch
+
+
+def test_options_that_do_not_apply_are_refused_not_ignored(maskgit):
+    # any keyword was swallowed: a typo (num_step=1) ran the default 3 steps, sampler="ddim" ran MaskGIT
+    with pytest.raises(TypeError, match="num_step"):
+        maskgit(LABELS, num_step=1, output_type="tokens")
+    for option in (dict(sampler="ddim"), dict(final="argmax"), dict(backend="triton")):
+        with pytest.raises(ValueError, match=f"{next(iter(option))}: a MaskGIT pipeline samples by iterative"):
+            maskgit(LABELS, output_type="tokens", **option)
+    assert maskgit([0], sampler="maskgit", output_type="tokens", progress=True).shape == (1, 4, 4)
+
+
+def test_sample_script_writes_a_maskgit_folders_images(maskgit, tmp_path):
+    # sample.py passed the diffusion samplers' sampler and final, which MaskGIT now refuses
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("sample_script",
+                                                  Path(__file__).resolve().parents[2] / "scripts" / "sample.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    folder = maskgit.save_pretrained(tmp_path / "mg")
+    assert mod.main(["--pipeline", str(folder), "--out", str(tmp_path / "s"), "-n", "3", "--no-progress"]) == 0
+    assert sorted(p.name for p in (tmp_path / "s").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]

@@ -115,8 +115,21 @@ def test_errors_name_the_problem(tiny_pipeline, tmp_path):
         VQLCMDPipeline.from_pretrained(folder)
     tokens_only = VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
     assert tokens_only([1], output_type="tokens", num_steps=2).shape == (1, 4, 4)
-    with pytest.raises(RuntimeError, match="no tokenizer loaded"):
-        tokens_only([1], output_type="pt", num_steps=2)
+    # refused before sampling (it sampled every image, then failed to decode them)
+    with pytest.raises(ValueError, match="output_type='pt' needs a tokenizer to decode the tokens, and none is loaded"):
+        tokens_only([1], output_type="pt", num_steps=10 ** 9)
+    # a config whose sizes or schedule do not fit: errors that name the file, not a bare KeyError / size mismatch
+    good = json.loads((folder / "config.json").read_text())
+    for change, said in ((lambda c: c.pop("schedule"), "no usable schedule section"),
+                         (lambda c: c["schedule"].update(warp=2), "no usable schedule section"),
+                         (lambda c: c["denoiser"].update(embed_dim=c["denoiser"]["embed_dim"] + 1),
+                          "weights do not fit the config's sizes")):
+        bad = json.loads(json.dumps(good))
+        change(bad)
+        (folder / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=said):
+            VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
+    (folder / "config.json").write_text(json.dumps(good))
     weights = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(weights[:len(weights) // 2])
     with pytest.raises(ValueError, match=r"model\.safetensors: unreadable weights, truncated or corrupt"):

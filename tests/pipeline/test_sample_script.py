@@ -44,8 +44,9 @@ def test_images_do_not_depend_on_the_number_of_ranks(sample_script, pipe_dir, tm
     assert sample_script.main(_args(pipe_dir, tmp_path / "one", "--npz", str(tmp_path / "one.npz"))) == 0
     one = _read(tmp_path / "one")
     assert sorted(one) == [f"{i:06d}.png" for i in range(7)]
-    # the same command as ranks 0..2 of 3 (ranks run one after another here; the split is what matters)
-    for rank in (1, 2, 0):
+    # the same command as ranks 0..2 of 3 (ranks run one after another here; the split is what matters).
+    # Rank 0 first, as in a real launch: the others wait at a barrier until it has written the manifest
+    for rank in (0, 2, 1):
         _as_rank(monkeypatch, sample_script, rank, 3)
         sample_script.main(_args(pipe_dir, tmp_path / "three"))
     assert _read(tmp_path / "three") == one
@@ -94,7 +95,10 @@ def test_torchrun_two_ranks_match_one(sample_script, pipe_dir, tmp_path):
     (("--batch-size", "0"), "--batch-size: must be a positive integer, got 0"),
     (("-n", "0"), "--num-samples: must be a positive integer, got 0"),
     (("--guidance-scale", "-1"), "--guidance-scale: must be a finite number >= 0, got -1"),
-    (("--guidance-scale", "nan"), "--guidance-scale: must be a finite number >= 0, got nan")])
+    (("--guidance-scale", "nan"), "--guidance-scale: must be a finite number >= 0, got nan"),
+    # a negative seed aliased another's images; 2**32 overflowed the generator after the manifest was written
+    (("--seed", "-1"), "--seed: must be in [0, 2**31), got -1"),
+    (("--seed", "4294967296"), "--seed: must be in [0, 2**31), got 4294967296")])
 def test_bad_options_are_refused_before_anything_is_written(sample_script, pipe_dir, tmp_path, bad, message, capsys):
     out = tmp_path / "s"
     with pytest.raises(SystemExit) as exc:
@@ -116,3 +120,32 @@ def test_device_cuda_without_an_index_means_this_process_gpu(sample_script, monk
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
     _, _, device = sample_script.dist_setup(argparse.Namespace(device="cuda", local_rank=None))
     assert device == torch.device("cuda", 1) and chosen == [device]
+
+
+def test_images_this_script_did_not_make_are_not_taken_as_samples(sample_script, pipe_dir, tmp_path):
+    # with no manifest, PNGs named like samples were kept, listed in a new manifest and scored by evaluate.py
+    from PIL import Image
+
+    out = tmp_path / "s"
+    out.mkdir()
+    Image.new("RGB", (64, 64)).save(out / "000000.png")
+    with pytest.raises(SystemExit, match=r"holds 1 image\(s\) named like samples \(000000\.png, \.\.\.\) but no "
+                                         r"manifest\.json"):
+        sample_script.main(_args(pipe_dir, out))
+    assert not (out / "manifest.json").exists()
+
+
+def test_bad_paths_are_one_line_errors(sample_script, pipe_dir, tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit, match="is a file, not a folder"):
+        sample_script.main(_args(pipe_dir, a_file))
+    with pytest.raises(SystemExit, match="--pipeline: .*missing model.safetensors"):
+        sample_script.main(_args(tmp_path / "nowhere", tmp_path / "s1"))
+    (tmp_path / "s2").mkdir()
+    (tmp_path / "s2" / "manifest.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="manifest.json is not readable JSON"):
+        sample_script.main(_args(pipe_dir, tmp_path / "s2"))
+    with pytest.raises(SystemExit) as exc:
+        sample_script.main(_args(pipe_dir, tmp_path / "s3", "--npz", str(tmp_path)))
+    assert exc.value.code == 2 and not (tmp_path / "s3").exists()

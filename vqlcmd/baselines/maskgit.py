@@ -194,10 +194,16 @@ class MaskGITPipeline(VQLCMDPipeline):
     @torch.no_grad()
     def __call__(self, class_labels=None, *, num_images: Optional[int] = None, num_steps: Optional[int] = None,
                  guidance_scale: Optional[float] = None, generator: Generators = None,
-                 batch_size: Optional[int] = None, output_type: str = "pil", progress: bool = False, **_ignored):
+                 batch_size: Optional[int] = None, output_type: str = "pil", progress: bool = False,
+                 sampler: Optional[str] = None, final: Optional[str] = None, backend: Optional[str] = None):
         """As ``VQLCMDPipeline.__call__`` (the same checks, per-image generators and outputs); ``num_steps``
-        defaults to the MaskGIT config's, and the continuous samplers' options (``sampler``, ``final``,
-        ``backend``) do not apply."""
+        defaults to the MaskGIT config's. The continuous samplers' options (``sampler``, ``final``, ``backend``)
+        do not apply: given, they are refused (any other keyword, a typo such as ``num_step``, was ignored)."""
+        given = {k: v for k, v in (("sampler", sampler), ("final", final), ("backend", backend))
+                 if v is not None and not (k == "sampler" and v == "maskgit")}
+        if given:
+            raise ValueError(f"{', '.join(given)}: a MaskGIT pipeline samples by iterative unmasking; the diffusion "
+                             "samplers' options do not apply")
         batch_size = self._batch_size(batch_size)
         num_steps = self.maskgit.num_steps if num_steps is None else num_steps
         labels, n, guidance_scale, generator = self._request(class_labels, num_images, guidance_scale, generator,
@@ -205,8 +211,14 @@ class MaskGITPipeline(VQLCMDPipeline):
         # through the pipeline's denoiser and autocast, as the diffusion samplers: enable_fast_sampling did nothing
         # here, and half-precision weights ran without autocast
         denoiser = self._denoiser()
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, desc=f"maskgit {num_steps} steps", unit="img", disable=not progress)
+        chunks = []
         with self._autocast():
-            chunks = [maskgit_sample(self.network, num_steps=num_steps, guidance_scale=guidance_scale,
-                                     cfg=self.maskgit, denoiser=denoiser, **kw)
-                      for _, _, kw in self._chunks(labels, n, batch_size, generator)]
+            for start, stop, kw in self._chunks(labels, n, batch_size, generator):
+                chunks.append(maskgit_sample(self.network, num_steps=num_steps, guidance_scale=guidance_scale,
+                                             cfg=self.maskgit, denoiser=denoiser, **kw))
+                bar.update(stop - start)
+        bar.close()
         return self._output(chunks, output_type)

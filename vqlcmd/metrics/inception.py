@@ -10,6 +10,8 @@ Features: ``pool`` (N, 2048), the pool_3 layer used for FID and precision/recall
 """
 from __future__ import annotations
 
+import pickle
+
 import os
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -48,7 +50,7 @@ class InceptionFeatures:
         try:
             self.net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
                                                    feature_extractor_weights_path=str(path), verbose=False)
-        except RuntimeError as exc:  # state-dict mismatch: some other checkpoint
+        except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:  # another checkpoint, or not one
             raise ValueError(f"{path} is not torch-fidelity's Inception-v3 ({WEIGHTS_FILE}): {exc}") from exc
         self.device = torch.device(device)
         self.net.to(self.device)
