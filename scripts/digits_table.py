@@ -118,6 +118,9 @@ def main(argv=None) -> int:
 
     folder = Path(args.pipeline)
     pipe = VQLCMDPipeline.from_pretrained(folder)
+    if pipe.sample_defaults.get("sampler") == "maskgit":  # the table's rows are the diffusion samplers
+        raise SystemExit(f"{folder}: a MaskGIT pipeline; the table compares the ancestral and DDIM samplers "
+                         "(scripts/evaluate.py --digits scores a MaskGIT model's samples)")
     if not 1 <= pipe.network.config.num_classes <= 10:  # a digit classifier scores it: labels 0-9
         raise SystemExit(f"{folder}: the digits table needs a class-conditional digits pipeline (at most 10 "
                          f"classes, the digits 0-9); this one has {pipe.network.config.num_classes}")

@@ -74,10 +74,21 @@ def folder_batches(files, batch_size: int):
         yield batch
 
 
+def load_npz(path: Path):
+    """``np.load`` of an .npz, or a one-line error naming the file: numpy calls a file that is not a zip
+    "pickled data", and an empty or cut-off one raises EOFError or BadZipFile."""
+    import zipfile
+
+    try:
+        return np.load(path)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise SystemExit(f"{path}: not a readable .npz ({type(exc).__name__}: {exc})") from None
+
+
 def load_labels(source: Path, n: int):
     """Class labels of a sample set: ``arr_1`` of an .npz, ``class_labels`` of a folder's manifest.json."""
     if source.suffix == ".npz":
-        with np.load(source) as data:
+        with load_npz(source) as data:
             return torch.as_tensor(data["arr_1"]) if "arr_1" in data.files else None
     manifest = source / "manifest.json"
     if manifest.is_file():
@@ -95,7 +106,7 @@ def image_source(path: Path, batch_size: int):
         files = image_files(path)
         return len(files), folder_batches(files, batch_size)
     if path.suffix == ".npz":
-        with np.load(path) as data:
+        with load_npz(path) as data:
             if "arr_0" not in data.files:
                 raise SystemExit(f"{path}: no arr_0 images (keys: {data.files})")
             arr = data["arr_0"]
@@ -105,7 +116,7 @@ def image_source(path: Path, batch_size: int):
 
 def reference_features(ref: Path, extractor, batch_size: int) -> dict:
     if ref.suffix == ".npz":
-        with np.load(ref) as data:
+        with load_npz(ref) as data:
             keys = set(data.files)
             if "arr_0" not in keys:  # statistics, not images
                 if "pool" not in keys and not {"mu", "sigma"} <= keys:
@@ -119,11 +130,8 @@ def reference_features(ref: Path, extractor, batch_size: int) -> dict:
 def _statistics_without_features(ref: Path) -> bool:
     if ref.suffix != ".npz" or not ref.is_file():
         return False
-    try:
-        with np.load(ref) as data:
-            keys = set(data.files)
-    except (OSError, ValueError) as exc:  # numpy calls a file that is not a zip "pickled data"
-        raise SystemExit(f"--ref {ref}: not a readable .npz ({exc})") from None
+    with load_npz(ref) as data:
+        keys = set(data.files)
     return "arr_0" not in keys and "pool" not in keys
 
 

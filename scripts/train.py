@@ -64,7 +64,7 @@ def main(argv=None) -> int:
 
     from vqlcmd.data.shards import ShardError
     from vqlcmd.engine.checkpoint import CheckpointError
-    from vqlcmd.engine.distributed import RankSetupError
+    from vqlcmd.engine.distributed import LaunchError, RankSetupError
     from vqlcmd.engine.trainer import Trainer
 
     try:
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except RankSetupError as exc:  # another rank's error (printed by that rank) or ranks on different data
+    except (RankSetupError, LaunchError) as exc:  # another rank's error (printed by it), ranks on different data,
+        # or processes that form no group
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except CheckpointError as exc:

@@ -79,6 +79,40 @@ def test_an_mpi_launch_without_ranks_is_refused_not_run_as_copies(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     monkeypatch.setattr(distributed, "_mpi4py_installed", lambda: False)
-    with pytest.raises(RuntimeError, match=r"started by Open MPI \(4 processes\) without RANK .* install mpi4py"):
+    with pytest.raises(distributed.LaunchError, match=r"started by Open MPI \(4 processes\) without RANK .* mpi4py"):
         distributed.init_distributed()
     assert "RANK" not in os.environ
+    # sbatch / salloc set SLURM_NTASKS in the job's shell, where a plain one-process run is right
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert distributed._launcher_without_rank() is None
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # srun's processes
+    assert distributed._launcher_without_rank() == "Slurm's srun (4 processes)"
+
+
+def _prepare_worker(rank, init_file, out, cache):
+    from vqlcmd.data import digits
+    from vqlcmd.engine.config import DataSection
+    from vqlcmd.engine.data import resolve_shards
+    from vqlcmd.engine.distributed import exchanged
+
+    def broken(**kw):
+        raise OSError("disk full")
+
+    digits.prepare_digits = broken
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        resolve_shards(DataSection(dataset="digits"), rank, log=lambda *a, **k: None)
+        out[rank] = "no error"
+    except Exception as exc:  # the Trainer re-raises what is exchanged, and exchanges only the rest
+        out[rank] = (type(exc).__name__, exchanged(exc))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_0_failing_to_prepare_the_digits_stops_every_rank_once(tmp_path):
+    # rank 0's own error was exchanged, then exchanged again by the Trainer: a collective the others never
+    # joined (gloo: "connection closed"; NCCL: a wait until the timeout)
+    out = mp.Manager().dict()
+    mp.spawn(_prepare_worker, args=(str(tmp_path / "init"), out, str(tmp_path)), nprocs=2, join=True)
+    assert out[0] == ("OSError", True) and out[1] == ("RankSetupError", True)

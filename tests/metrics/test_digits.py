@@ -57,3 +57,9 @@ def test_unconditional_samples_and_the_finite_sample_floor(real):
     with pytest.raises(ValueError, match=r"digit labels must be in \[0, 9\], got \[40\]"):
         evaluate_digit_samples(images[:2], torch.tensor([3, 40]))
     assert np.isfinite(ref["fid"])
+
+
+@pytest.mark.parametrize("n", [5, 895])
+def test_real_reference_at_sample_counts_a_stratified_split_cannot_take(n):
+    # fewer digits than classes on either side of the split: train_test_split(stratify=...) raised
+    assert real_reference(16, n=n)["num_samples"] == n

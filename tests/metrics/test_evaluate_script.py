@@ -137,8 +137,13 @@ def test_bad_inputs_are_refused_before_any_image_is_encoded(evaluate, tmp_path, 
     with pytest.raises(SystemExit, match="holds mu/sigma only: precision/recall need its pool features"):
         evaluate.main([str(tmp_path / "s.npz"), "--ref", str(tmp_path / "stats.npz"), *weights])
     (tmp_path / "notzip.npz").write_bytes(b"garbage")
-    with pytest.raises(SystemExit, match="not a readable .npz"):
-        evaluate.main([str(tmp_path / "s.npz"), "--ref", str(tmp_path / "notzip.npz"), *weights])
+    (tmp_path / "empty.npz").write_bytes(b"")
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "s.npz").read_bytes()[:100])
+    for bad in ("notzip", "empty", "cut"):  # as the reference, and as the samples
+        with pytest.raises(SystemExit, match=f"{bad}.npz: not a readable .npz"):
+            evaluate.main([str(tmp_path / "s.npz"), "--ref", str(tmp_path / f"{bad}.npz"), *weights])
+        with pytest.raises(SystemExit, match=f"{bad}.npz: not a readable .npz"):
+            evaluate.main([str(tmp_path / f"{bad}.npz"), "--digits"])
     for flag, value in (("--k", "0"), ("--splits", "0"), ("--batch-size", "0"), ("--metrics", "fid,kid")):
         with pytest.raises(SystemExit) as exc:  # k = 0 gave precision and recall of 0 with exit code 0
             evaluate.main([str(tmp_path / "s.npz"), flag, value])

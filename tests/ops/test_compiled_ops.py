@@ -704,7 +704,10 @@ def test_short_attention_opcheck_and_compile(gen):
 
 @pytest.mark.parametrize("archs, capability, serves", [("9.0", (8, 0), False), ("9.0", (9, 0), True),
                                                        ("8.0", (8, 6), True), ("8.0", (9, 0), False),
-                                                       ("8.0+PTX", (9, 0), True), ("8.0;9.0", (10, 0), False)])
+                                                       ("8.0+PTX", (9, 0), True), ("8.0;9.0", (10, 0), False),
+                                                       ("9.0a", (9, 0), True), ("8.0 9.0", (9, 0), True),
+                                                       # names and suffixes it cannot read: the build is trusted
+                                                       ("8.0;Hopper", (9, 0), True), ("10.0f", (9, 0), True)])
 def test_compiled_cuda_kernels_are_claimed_only_for_gpus_they_were_built_for(monkeypatch, archs, capability, serves):
     # an sm_90 build was picked by auto on an A100: the first step died with "no kernel image is available"
     import types

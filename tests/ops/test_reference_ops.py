@@ -110,6 +110,10 @@ def test_guided_average_keeps_classes_ruled_out_by_both_models_out(gen):
     c[1, 5] = float("-inf")  # ruled out by the conditional model only
     table = torch.randn(9, 4, generator=gen)
     torch.testing.assert_close(ops.guided_embedding_average(c, u, table, 0.0), ops.softmax_embedding_average(c, table))
+    u0 = u.clone()
+    u0[0, 1] = float("-inf")  # ruled out by the unconditional model only: ω = 0 is still cond's distribution
+    assert torch.equal(ops.guided_embedding_average(c, u0, table, 0.0), ops.softmax_embedding_average(c, table))
+    assert torch.equal(reference.guided_log_probs(c, u0, 0.0), torch.log_softmax(c, -1))
     keep = [k for k in range(9) if k != 3]
     for w in (1.0, 3.0):
         expected = ops.guided_embedding_average(c[:, keep], u[:, keep], table[keep], w)

@@ -107,3 +107,18 @@ def test_sample_script_writes_a_maskgit_folders_images(maskgit, tmp_path):
     folder = maskgit.save_pretrained(tmp_path / "mg")
     assert mod.main(["--pipeline", str(folder), "--out", str(tmp_path / "s"), "-n", "3", "--no-progress"]) == 0
     assert sorted(p.name for p in (tmp_path / "s").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
+
+
+def test_digits_table_refuses_a_maskgit_folder_up_front(maskgit, tmp_path):
+    # its rows are the diffusion samplers: MaskGIT ran under their names, then (refusing sampler=) failed at
+    # the first cell, after the classifiers had loaded
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("digits_table",
+                                                  Path(__file__).resolve().parents[2] / "scripts" / "digits_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    folder = maskgit.save_pretrained(tmp_path / "mg")
+    with pytest.raises(SystemExit, match="a MaskGIT pipeline; the table compares the ancestral and DDIM samplers"):
+        mod.main(["--pipeline", str(folder), "--out", str(tmp_path / "t.md")])

@@ -59,7 +59,7 @@ def commit(ckpt_dir: Path, step: int, keep: int) -> Path:
     others = [p for p in complete_checkpoints(ckpt_dir) if p != final]
     for old in others[:max(0, len(others) - (keep - 1))] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in ckpt_dir.glob("*.partial"):  # left by an earlier crash
+    for stale in [*ckpt_dir.glob("*.partial"), *ckpt_dir.glob("*.replaced")]:  # left by an earlier crash
         shutil.rmtree(stale, ignore_errors=True)
     return final
 
@@ -76,7 +76,10 @@ def latest_tag(ckpt_dir: Path) -> Optional[str]:
         tag = latest.read_text().strip()
         aside = ckpt_dir / f"{tag}.replaced"
         if not (ckpt_dir / tag).is_dir() and aside.is_dir():  # a crash while commit() replaced it: take it back
-            os.replace(aside, ckpt_dir / tag)
+            try:
+                os.replace(aside, ckpt_dir / tag)
+            except FileNotFoundError:  # another rank took it back first
+                pass
         if (ckpt_dir / tag).is_dir():
             return tag
     done = complete_checkpoints(ckpt_dir)

@@ -23,7 +23,7 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
 
     launcher = _launcher_without_rank() if "RANK" not in os.environ else None
     if launcher is not None and not _mpi4py_installed():  # (with mpi4py, DeepSpeed's MPI discovery sets RANK)
-        raise RuntimeError(f"started by {launcher} without RANK / WORLD_SIZE / MASTER_ADDR, and without mpi4py for "
+        raise LaunchError(f"started by {launcher} without RANK / WORLD_SIZE / MASTER_ADDR, and without mpi4py for "
                            "DeepSpeed to find them: launch with `deepspeed --hostfile ...` (or torchrun), set those "
                            "variables for each process, or install mpi4py")
     if "RANK" not in os.environ and launcher is None:  # plain `python scripts/train.py`: one process, its own group
@@ -51,7 +51,9 @@ def _set_device(backend: str) -> torch.device:
 
 
 # (world size variable, launcher) of launchers that start every process without RANK / WORLD_SIZE
-_LAUNCHER_SIZES = (("OMPI_COMM_WORLD_SIZE", "Open MPI"), ("PMI_SIZE", "MPICH / MVAPICH"), ("SLURM_NTASKS", "Slurm"))
+# (srun's per-step count: sbatch / salloc set SLURM_NTASKS in the job's own shell, where one process is right)
+_LAUNCHER_SIZES = (("OMPI_COMM_WORLD_SIZE", "Open MPI"), ("PMI_SIZE", "MPICH / MVAPICH"),
+                   ("SLURM_STEP_NUM_TASKS", "Slurm's srun"))
 
 
 def _launcher_without_rank() -> Optional[str]:
@@ -106,6 +108,17 @@ def data_fingerprint(header: dict) -> str:
 class RankSetupError(RuntimeError):
     """Another rank failed while setting up; its own error says why."""
 
+    vqlcmd_exchanged = True  # raised by agree_on_setup on every rank at once
+
+
+class LaunchError(RuntimeError):
+    """The processes were started in a way this run cannot form one group from."""
+
+
+def exchanged(error: BaseException) -> bool:
+    """Whether ``agree_on_setup`` already told the other ranks about ``error``."""
+    return getattr(error, "vqlcmd_exchanged", False)
+
 
 def agree_on_setup(error: Optional[BaseException], fingerprint: Optional[str]) -> None:
     """One exchange after each rank has opened its data: a rank's error stops every rank at once (the others
@@ -117,6 +130,7 @@ def agree_on_setup(error: Optional[BaseException], fingerprint: Optional[str]) -
         torch.distributed.all_gather_object(said, (None if error is None else f"{type(error).__name__}: {error}",
                                                    fingerprint))
     if error is not None:
+        error.vqlcmd_exchanged = True  # the other ranks know: a caller must not exchange it again
         raise error
     if world == 1:
         return

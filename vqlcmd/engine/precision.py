@@ -23,8 +23,9 @@ def resolve_bf16(value, device: torch.device) -> tuple[bool, str]:
     if value != "auto":
         return bool(value), "set in the config"
     if device.type == "cuda":
-        # native only: by default torch also counts the emulated bf16 of pre-Ampere GPUs (V100, T4)
-        ok = torch.cuda.is_bf16_supported(including_emulation=False)
+        # native only (Ampere and later), of this device: torch.cuda.is_bf16_supported() asks the current GPU
+        # and by default also counts the emulated bf16 of a V100 or T4
+        ok = torch.cuda.get_device_capability(device)[0] >= 8
         return ok, f"auto: {torch.cuda.get_device_name(device)} {'supports' if ok else 'lacks'} bf16"
     if device.type == "cpu":
         ok = cpu_has_native_bf16()

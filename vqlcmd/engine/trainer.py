@@ -26,8 +26,7 @@ from ..schedule import ShiftedCosineSchedule
 from . import checkpoint as ckpt
 from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import resolve_shards
-from .distributed import (RankSetupError, agree_on_setup, barrier, data_fingerprint, init_distributed,
-                          mean_over_ranks)
+from .distributed import agree_on_setup, barrier, data_fingerprint, exchanged, init_distributed, mean_over_ranks
 from .host_memory import keep_freed_memory
 from .optim import build_optimizer, build_scheduler
 from .precision import resolve_bf16
@@ -108,9 +107,9 @@ class Trainer:
             den_cfg = preset_config(cfg.model.preset, **cfg.model.overrides)
             den_cfg = self._check_against_shards(den_cfg, header, shard_dir)
             fingerprint = data_fingerprint(header)
-        except RankSetupError:  # rank 0 failed preparing the digits: every rank already knows
-            raise
         except Exception as exc:
+            if exchanged(exc):  # rank 0's digits preparation failed: every rank knows already
+                raise
             error = exc
         agree_on_setup(error, fingerprint)
         self.header = header
@@ -293,9 +292,11 @@ class Trainer:
                 self.save()
         bar.close()
         # a finished run launched again trains nothing: its checkpoint stands (saving the same step again
-        # would only replace it, and risk it)
+        # would only replace it, and risk it); the pipeline is exported again, in case a crash came between
         if self.step != start or ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
             self.save()
+        elif self.rank == 0:
+            self.pipeline().save_pretrained(self.out_dir / "pipeline")
         return history
 
     def _log_scalars(self, terms: dict, images_per_s: float) -> None:

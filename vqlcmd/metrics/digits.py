@@ -110,8 +110,9 @@ def real_reference(size: int = 32, seed: int = 0, k: int = 3, n: Optional[int] =
     x, y = _real(size)
     a, b = train_test_split(np.arange(len(y)), test_size=0.5, random_state=seed, stratify=y)
     if n is not None and n < len(b):
-        # stratified where every class can have a member (fewer digits than classes cannot)
-        b, _ = train_test_split(b, train_size=n, random_state=seed, stratify=y[b] if n >= 10 else None)
+        # stratified where both sides can hold every class (10 digits or more each)
+        stratify = y[b] if n >= 10 and len(b) - n >= 10 else None
+        b, _ = train_test_split(b, train_size=n, random_state=seed, stratify=stratify)
     fa, fb = hidden_features(x[a], size), hidden_features(x[b], size)
     return {"fid": fid_from_features(fa, fb), **precision_recall(fa, fb, k=k), "num_samples": int(len(b))}
 

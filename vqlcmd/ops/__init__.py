@@ -72,6 +72,8 @@ def guided_embedding_average(
     _checks.check_average_inputs(cond_logits, table)
     _checks.check_logits_pair(cond_logits, uncond_logits)
     guidance_scale = _checks.checked_guidance(guidance_scale)
+    if guidance_scale == 0:  # exactly the plain op, also where only uncond is -inf (0 · inf would be NaN)
+        return softmax_embedding_average(cond_logits, table, backend=backend)
     fn = resolve("guided_embedding_average", backend, cond_logits, table)
     return fn(cond_logits, uncond_logits, table, guidance_scale)
 

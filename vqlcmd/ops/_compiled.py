@@ -79,14 +79,18 @@ def _built_archs() -> tuple[tuple[int, int, bool], ...]:
 
 @functools.lru_cache(maxsize=None)  # asked on every dispatch of a CUDA op
 def _parse_archs(text: str) -> tuple[tuple[int, int, bool], ...]:
-    """(major, minor, with PTX) of each architecture in an arch list such as "8.0;9.0+PTX"."""
+    """(major, minor, with PTX) of each architecture in an arch list such as "8.0;9.0+PTX"; empty when any
+    item is not of that form (a name such as "Hopper", a suffix such as "10.0f"): the build is then trusted."""
     out = []
     for item in text.replace(",", ";").replace(" ", ";").split(";"):
         name = item.strip().upper()
+        if not name:
+            continue
         ptx = name.endswith("+PTX")
-        digits = name.removesuffix("+PTX").rstrip("A").split(".")
-        if len(digits) == 2 and digits[0].isdigit() and digits[1].isdigit():
-            out.append((int(digits[0]), int(digits[1]), ptx))
+        digits = name.removesuffix("+PTX").removesuffix("A").split(".")
+        if not (len(digits) == 2 and digits[0].isdigit() and digits[1].isdigit()):
+            return ()
+        out.append((int(digits[0]), int(digits[1]), ptx))
     return tuple(out)
 
 

@@ -49,6 +49,8 @@ def guided_log_probs(cond_logits: torch.Tensor, uncond_logits: torch.Tensor, gui
     """Classifier-free guidance on log-probabilities (VQ-LCMD.md, eq. cfg), renormalised."""
     dt = math_dtype(cond_logits, uncond_logits)
     lc = torch.log_softmax(cond_logits.to(dt), dim=-1)
+    if guidance_scale == 0:  # cond's own distribution, also where uncond alone is -inf (0 · inf is NaN)
+        return lc
     lu = torch.log_softmax(uncond_logits.to(dt), dim=-1)
     guided = (1.0 + guidance_scale) * lc - guidance_scale * lu
     # a class the conditional model rules out (-inf) stays out, whatever ω: where the unconditional one
