@@ -1,5 +1,7 @@
+import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +39,21 @@ def _launcher_env_restored():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """``load_script("sample")``: scripts/sample.py as a module, to call its ``main(argv)`` in-process (the
+    scripts are files, not a package)."""
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"{name}_script", scripts / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
 
 
 @pytest.fixture

@@ -43,16 +43,10 @@ def test_lists():
         choices_list(("ancestral", "ddim"))("ddim,dpm")
 
 
-def test_digits_table_refuses_bad_lists_before_loading_anything(capsys, tmp_path):
+def test_digits_table_refuses_bad_lists_before_loading_anything(capsys, tmp_path, load_script):
     # each failed only after the pipeline and the digit classifiers were loaded (steps 0, guidance -1), or
     # after the first cells were sampled (an unknown sampler)
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("digits_table", root / "scripts" / "digits_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("digits_table")
     missing = str(tmp_path / "no_pipeline")
     for flag, value, said in (("--steps", "5,0", "must be a positive integer"),
                               ("--guidance", "1,-1", "must be a finite number >= 0"),
@@ -62,14 +56,8 @@ def test_digits_table_refuses_bad_lists_before_loading_anything(capsys, tmp_path
         assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
-def test_scripts_refuse_bad_numbers_with_a_usage_error(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("collapse_study", root / "scripts" / "collapse_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_scripts_refuse_bad_numbers_with_a_usage_error(capsys, load_script):
+    mod = load_script("collapse_study")
     with pytest.raises(SystemExit) as exc:
         mod.main(["--every", "0"])  # was a ZeroDivisionError after the first step
     assert exc.value.code == 2 and "--every: must be a positive integer, got 0" in capsys.readouterr().err

@@ -1,22 +1,15 @@
 """scripts/evaluate.py: digits mode on real digits, Inception mode with weights the test makes (random,
 but in torch-fidelity's file format), and the errors for missing weights."""
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def evaluate():
-    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def evaluate(load_script):
+    return load_script("evaluate")
 
 
 @pytest.fixture(scope="module")

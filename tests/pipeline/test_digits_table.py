@@ -1,19 +1,11 @@
 """scripts/digits_table.py on the tiny pipeline: cells, cache-based continuation, Markdown layout."""
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
 import pytest
 
 
 @pytest.mark.slow  # fits the digit classifiers at 16 px: minutes on the shared 2-core CPU
-def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys):
+def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys, load_script):
     folder = tiny_pipeline.save_pretrained(tmp_path / "pipe")
-    spec = importlib.util.spec_from_file_location("digits_table", ROOT / "scripts" / "digits_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("digits_table")
     out = tmp_path / "table.md"
     args = ["--pipeline", str(folder), "--out", str(out), "--steps", "1,2", "--samplers", "ddim",
             "--guidance", "0,1", "--per-class", "4"]

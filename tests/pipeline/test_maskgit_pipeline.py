@@ -95,30 +95,18 @@ def test_options_that_do_not_apply_are_refused_not_ignored(maskgit):
     assert maskgit([0], sampler="maskgit", output_type="tokens", progress=True).shape == (1, 4, 4)
 
 
-def test_sample_script_writes_a_maskgit_folders_images(maskgit, tmp_path):
+def test_sample_script_writes_a_maskgit_folders_images(maskgit, tmp_path, load_script):
     # sample.py passed the diffusion samplers' sampler and final, which MaskGIT now refuses
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("sample_script",
-                                                  Path(__file__).resolve().parents[2] / "scripts" / "sample.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("sample")
     folder = maskgit.save_pretrained(tmp_path / "mg")
     assert mod.main(["--pipeline", str(folder), "--out", str(tmp_path / "s"), "-n", "3", "--no-progress"]) == 0
     assert sorted(p.name for p in (tmp_path / "s").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
 
 
-def test_digits_table_refuses_a_maskgit_folder_up_front(maskgit, tmp_path):
+def test_digits_table_refuses_a_maskgit_folder_up_front(maskgit, tmp_path, load_script):
     # its rows are the diffusion samplers: MaskGIT ran under their names, then (refusing sampler=) failed at
     # the first cell, after the classifiers had loaded
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("digits_table",
-                                                  Path(__file__).resolve().parents[2] / "scripts" / "digits_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("digits_table")
     folder = maskgit.save_pretrained(tmp_path / "mg")
     with pytest.raises(SystemExit, match="a MaskGIT pipeline; the table compares the ancestral and DDIM samplers"):
         mod.main(["--pipeline", str(folder), "--out", str(tmp_path / "t.md")])

@@ -1,5 +1,4 @@
 """scripts/sample.py: per-image seeds (rank-count independence), restarts, the ADM .npz layout."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,11 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def sample_script():
-    spec = importlib.util.spec_from_file_location("sample_script", ROOT / "scripts" / "sample.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def sample_script(load_script):
+    return load_script("sample")
 
 
 @pytest.fixture(scope="module")
