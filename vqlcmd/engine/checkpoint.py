@@ -53,13 +53,13 @@ def commit(ckpt_dir: Path, step: int, keep: int) -> Path:
         os.replace(final, aside)
     os.replace(partial, final)
     atomic_write_text(ckpt_dir / "latest", tag + "\n")
-    shutil.rmtree(aside, ignore_errors=True)
     # keep the one just published and the newest keep - 1 others (keep = 0: all), even where an older run's
     # checkpoints carry higher step numbers
     others = [p for p in complete_checkpoints(ckpt_dir) if p != final]
     for old in others[:max(0, len(others) - (keep - 1))] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in [*ckpt_dir.glob("*.partial"), *ckpt_dir.glob("*.replaced")]:  # left by an earlier crash
+    # the one set aside above, and any that an earlier crash left
+    for stale in [*ckpt_dir.glob("*.partial"), *ckpt_dir.glob("*.replaced")]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
 

@@ -32,15 +32,11 @@ def _flash_ok(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
-def _capability(q: torch.Tensor) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(q.device)
-
-
 def attention_backend_for(q: torch.Tensor, dropout_p: float) -> str:
     """The backend ``auto`` uses for these inputs (logged by the engine). FA3 runs on Hopper only, FA2 from
     Ampere on: on older GPUs (V100, T4) both refuse, so ``auto`` takes SDPA there."""
     if _flash_ok(q):
-        major = _capability(q)[0]
+        major = torch.cuda.get_device_capability(q.device)[0]
         if _fa3_func is not None and dropout_p == 0.0 and major == 9:  # FA3 has no dropout
             return "flash3"
         if _fa2_func is not None and major >= 8:

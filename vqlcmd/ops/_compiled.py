@@ -62,13 +62,11 @@ def unsupported(*tensors: torch.Tensor) -> Optional[str]:
         if x.is_floating_point() and x.dtype not in KERNEL_DTYPES:
             return f"compiled kernels take float32, bfloat16 or float16, got {x.dtype} (the reference serves it)"
     device = tensors[0].device
-    if device.type == "cuda" and not build_info().get("with_cuda", False):
-        return "vqlcmd._C was built without CUDA kernels (no toolkit or VQLCMD_SKIP_CUDA=1 at build time)"
     if device.type == "cuda":
-        why = _arch_mismatch(device)
-        if why:
-            return why
-    if device.type not in ("cpu", "cuda"):
+        if not build_info().get("with_cuda", False):
+            return "vqlcmd._C was built without CUDA kernels (no toolkit or VQLCMD_SKIP_CUDA=1 at build time)"
+        return _arch_mismatch(device)
+    if device.type != "cpu":
         return f"compiled kernels run on cpu and cuda, got device {device}"
     return None
 
