@@ -29,6 +29,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -150,31 +151,43 @@ def seed_value(text: str) -> int:
 
 
 def check_manifest(out: Path, settings: dict, rank: int, world: int) -> None:
+    """Rank 0 checks --out and writes the manifest; every rank then exits with its refusal, if any, rather
+    than waiting at a barrier that rank 0 never reaches (launchers that do not stop the others would hang)."""
+    error = _manifest_error(out, settings) if rank == 0 else None
+    if _dist_active():
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise SystemExit(error)
+
+
+def _manifest_error(out: Path, settings: dict) -> Optional[str]:
     path = out / MANIFEST
-    if rank == 0:
-        if out.exists() and not out.is_dir():
-            raise SystemExit(f"--out {out} is a file, not a folder")
-        out.mkdir(parents=True, exist_ok=True)
-        if path.is_file():
-            try:
-                old = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"{path} is not readable JSON ({exc}): delete it, with the images beside it, "
-                                 "or use another --out") from None
-            diff = {k: (old.get(k), settings[k]) for k in IMAGE_KEYS if old.get(k) != settings[k]}
-            if diff:
-                raise SystemExit(f"{out} holds samples made with other settings {diff} (old, new); "
-                                 "use another --out or delete the folder")
-        else:
-            # no manifest: images there were not made by this script, and would have been kept as samples
-            foreign = sorted(f.name for f in out.glob("[0-9]" * 6 + ".png"))
-            if foreign:
-                raise SystemExit(f"{out} holds {len(foreign)} image(s) named like samples ({foreign[0]}, ...) but "
-                                 f"no {MANIFEST}: not samples of this script; use another --out or empty it")
-            tmp = path.with_name(MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(settings, indent=1))
-            os.replace(tmp, path)
-    barrier(world)
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder"
+    out.mkdir(parents=True, exist_ok=True)
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            return f"{path} is not readable JSON ({exc}): delete it, with the images beside it, or use another --out"
+        diff = {k: (old.get(k), settings[k]) for k in IMAGE_KEYS if old.get(k) != settings[k]}
+        if diff:
+            return (f"{out} holds samples made with other settings {diff} (old, new); "
+                    "use another --out or delete the folder")
+        return None
+    # no manifest: images there were not made by this script, and would have been kept as samples
+    foreign = sorted(f.name for f in out.glob("[0-9]" * 6 + ".png"))
+    if foreign:
+        return (f"{out} holds {len(foreign)} image(s) named like samples ({foreign[0]}, ...) but no {MANIFEST}: "
+                "not samples of this script; use another --out or empty it")
+    tmp = path.with_name(MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=1))
+    os.replace(tmp, path)
+    return None
 
 
 def main(argv=None) -> int:

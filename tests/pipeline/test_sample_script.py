@@ -1,4 +1,5 @@
 """scripts/sample.py: per-image seeds (rank-count independence), restarts, the ADM .npz layout."""
+import datetime
 import os
 import subprocess
 import sys
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,3 +148,32 @@ def test_bad_paths_are_one_line_errors(sample_script, pipe_dir, tmp_path):
     with pytest.raises(SystemExit) as exc:
         sample_script.main(_args(pipe_dir, tmp_path / "s3", "--npz", str(tmp_path)))
     assert exc.value.code == 2 and not (tmp_path / "s3").exists()
+
+
+def _manifest_worker(rank, init_file, out_dir, results):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sample_script", Path(__file__).resolve().parents[2] / "scripts"
+                                                  / "sample.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        mod.check_manifest(Path(out_dir), {k: None for k in mod.IMAGE_KEYS}, rank, 2)
+        results[rank] = "passed"
+    except SystemExit as exc:
+        results[rank] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_refusal_on_rank_0_stops_every_rank(tmp_path):
+    """Only rank 0 reads --out; the others used to wait at a barrier it never reached, which hangs under
+    launchers that do not stop the other processes when one fails."""
+    out = tmp_path / "samples"
+    out.write_text("not a folder")
+    results = mp.Manager().dict()
+    mp.spawn(_manifest_worker, args=(str(tmp_path / "init"), str(out), results), nprocs=2, join=True)
+    assert "is a file, not a folder" in results[0]
+    assert results[1] == results[0]
