@@ -147,3 +147,60 @@ def test_an_empty_class_folder_is_kept_with_a_warning(tmp_path):
         il = list_images(tmp_path)
     # the other classes keep the numbers their folder names give them
     assert il.class_names == ["ant", "bee", "cat"] and sorted(set(il.labels)) == [0, 2]
+
+
+@pytest.fixture(scope="module")
+def camera_tree(tmp_path_factory):
+    """An upright JPEG, the same picture stored rotated with an EXIF orientation tag that puts it upright
+    (as phones save), and a 16-bit greyscale PNG."""
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("camera")
+    upright = Image.fromarray(_picture(40, 64, 3))
+    upright.save(root / "a_upright.jpg", quality=97)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to display"
+    upright.transpose(Image.Transpose.ROTATE_90).save(root / "b_exif6.jpg", quality=97, exif=exif)
+    ramp = np.tile(np.linspace(0, 65535, 48).round().astype(np.uint16), (32, 1))
+    Image.fromarray(ramp).save(root / "c_gray16.png")
+    return root
+
+
+@pytest.mark.parametrize("backend", ["dali", "pil"])
+def test_exif_orientation_is_applied(camera_tree, backend):
+    x, _, _ = _all(list_images(camera_tree), backend)
+    levels = (x[1] - x[0]).abs() * 127.5  # the tagged copy shows as the upright picture (JPEG noise apart)
+    assert levels.mean() <= 3.0, levels.mean()
+
+
+@pytest.mark.parametrize("backend", ["dali", "pil"])
+def test_16_bit_images_are_scaled_not_clipped(camera_tree, backend):
+    import numpy as np
+
+    x, _, _ = _all(list_images(camera_tree), backend)
+    got = (x[2, 0] * 127.5 + 127.5).mean(0)  # column means of a 0..65535 left-to-right ramp
+    # 32 x 48 resized to 24 x 36, centre crop columns 6..29: source column (j + 0.5) * 48 / 36 - 0.5, in 8 bits
+    src = (torch.arange(6, 30, dtype=torch.float64) + 0.5) * 48 / 36 - 0.5
+    want = (src * 255 / 47).float()
+    assert (got - want).abs().max() <= 8.0, (got - want).abs().max()
+
+
+def test_an_image_over_pils_pixel_limit_is_skipped_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # DecompressionBombError from 2000 pixels up
+    Image.fromarray(_picture(40, 60, 0)).save(tmp_path / "big.png")
+    Image.fromarray(_picture(10, 10, 1)).save(tmp_path / "small.png")
+    with pytest.warns(UserWarning, match=r"skipping 1 unreadable image\(s\).*big\.png \(over PIL's pixel limit"):
+        il = list_images(tmp_path)
+    assert [f.split("/")[-1] for f in il.files] == ["small.png"]
+    with pytest.raises(OSError, match="big.png"):
+        _all(list_images(tmp_path, check="none"), "pil")
+
+
+def test_linked_folders_inside_a_class_are_followed(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    Image.fromarray(_picture(10, 10, 0)).save(tmp_path / "elsewhere" / "linked.png")
+    (tmp_path / "tree" / "a").mkdir(parents=True)
+    Image.fromarray(_picture(10, 10, 1)).save(tmp_path / "tree" / "a" / "own.png")
+    (tmp_path / "tree" / "a" / "more").symlink_to(tmp_path / "elsewhere")
+    il = list_images(tmp_path / "tree")
+    assert [f.split("/")[-1] for f in il.files] == ["own.png", "linked.png"]

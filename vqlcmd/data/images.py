@@ -101,7 +101,7 @@ def list_images(root, *, check: str = "header") -> ImageList:
 
 def _image_files(folder: Path) -> list[Path]:
     out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):  # as torchvision's ImageFolder
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         out += [Path(dirpath) / f for f in sorted(filenames)
                 if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
@@ -121,6 +121,8 @@ def unreadable_reason(path, decode: bool = False) -> str | None:
                 im.load()
     except UnidentifiedImageError:
         return "not a recognised image"
+    except Image.DecompressionBombError as e:  # not an OSError; DALI may decode it, but PIL cannot here
+        return f"over PIL's pixel limit: {e}"
     except OSError as e:
         return f"cannot read: {e}"
     return None

@@ -16,20 +16,32 @@ from .images import ImageList, resized_shape
 
 def load_image(path: str, size: int, channels: int, flip: bool) -> np.ndarray:
     """(size, size, channels) uint8: shorter side resized to ``size``, centre crop, optional mirror."""
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     try:
         with Image.open(path) as im:
-            im = im.convert("L" if channels == 1 else "RGB")
+            im = _eight_bit(ImageOps.exif_transpose(im)).convert("L" if channels == 1 else "RGB")
             h, w = resized_shape(im.height, im.width, size)
             im = im.resize((w, h), Image.BILINEAR)
-    except OSError as e:  # truncated pixel data and the like: say which file
+    except (OSError, Image.DecompressionBombError) as e:  # truncated pixel data and the like: say which file
         raise OSError(f"cannot decode image {path}: {e}") from e
     top, left = crop_offset(h, size), crop_offset(w, size)
     a = np.asarray(im, dtype=np.uint8)[top:top + size, left:left + size]
     if a.ndim == 2:
         a = a[:, :, None]
     return a[:, ::-1] if flip else a
+
+
+def _eight_bit(im):
+    """16-bit greyscale (PNG, TIFF) scaled to 8 bits, as DALI's decoder does: PIL's convert() clips it at
+    255, which turned such images almost white. (EXIF orientation is applied above for the same reason:
+    DALI's decoder applies it.)"""
+    from PIL import Image
+
+    if im.mode not in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        return im
+    a = np.asarray(im, dtype=np.float64) * (255.0 / 65535.0)
+    return Image.fromarray(np.clip(np.round(a), 0, 255).astype(np.uint8), "L")
 
 
 def crop_offset(extent: int, size: int) -> int:
