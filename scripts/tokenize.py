@@ -50,7 +50,8 @@ def _cuda():
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from vqlcmd.data import image_batches, list_images, prepare_digits, write_token_shards
+    from vqlcmd.data import list_images, prepare_digits
+    from vqlcmd.data.shards import ShardError
     from vqlcmd.data.digits import write_digits_shards
     from vqlcmd.tokenizer import load_tokenizer
 
@@ -80,6 +81,15 @@ def main(argv=None) -> dict:
     images = list_images(args.images, check=args.check_images)
     print(f"{len(images)} images, {images.num_classes} classes, {len(images.skipped)} skipped; tokenizer "
           f"{tok.identifier} ({tok.codebook_size} codes, grid {tok.grid[0]}x{tok.grid[1]})")
+    try:
+        return _write_all(args, tok, images, size, progress)
+    except ShardError as exc:  # a folder holding another run's shards: a message, not a traceback
+        raise SystemExit(str(exc)) from None
+
+
+def _write_all(args, tok, images, size, progress) -> dict:
+    from vqlcmd.data import TokenShardDataset, image_batches, write_token_shards
+
     results = {}
     for flip, prefix in [("none", "shard")] + ([("always", "flip")] if args.flip else []):
         # the file list's digest: a restart keeps a shard only if the tree still lists the same images
@@ -96,6 +106,7 @@ def main(argv=None) -> dict:
         print(f"{prefix}: {stats['written']}/{stats['shards']} shards written, {stats['images']} images, "
               f"{stats['images_per_s']:.1f} images/s")
         results[prefix] = stats
+    TokenShardDataset(args.out, verify=False)  # the folder as a whole: no other run's shards beside these
     return results
 
 

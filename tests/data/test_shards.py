@@ -172,3 +172,61 @@ def test_unconditional_shard_uses_label_zero(tmp_path):
     with pytest.raises(ShardError, match=r"labels must lie in \[0, 1\)"):
         write_shard(tmp_path / "v.vqtok", np.zeros((2, 6), np.int64), np.ones(2, np.int64),
                     dict(HEADER, num_classes=0, class_names=[]))
+
+
+def _put_header(path, h):
+    b, n = _raw(path)
+    body = json.dumps(h).encode()
+    assert len(body) <= n
+    path.write_bytes(b[:16] + body + b" " * (n - len(body)) + b[16 + n:])
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h.pop("count"), r"count must be a non-negative int, got None"),
+    (lambda h: h.update(count="ten"), r"count must be a non-negative int, got 'ten'"),
+    (lambda h: h.update(count=-1), r"count must be a non-negative int, got -1"),
+    (lambda h: h.update(grid=4), r"grid must be \[h, w\] of positive ints, got 4"),
+    (lambda h: h.update(grid=[2.5, 2]), r"grid must be \[h, w\] of positive ints, got \[2.5, 2\]"),
+    (lambda h: h.update(codebook_size="big"), r"codebook_size must be a non-negative int, got 'big'"),
+    (lambda h: h.update(num_classes=2.7), r"num_classes must be a non-negative int, got 2.7"),
+    (lambda h: h.update(num_classes=True), r"num_classes must be a non-negative int, got True"),
+    (lambda h: h.update(class_names="abcd"), r"class_names must be a list of strings, got 'abcd'"),
+])
+def test_malformed_header_fields_are_shard_errors_naming_the_shard(tmp_path, edit, match):
+    """Each used to be a bare KeyError / TypeError / ValueError, or was read as another value silently."""
+    p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    b, n = _raw(p)
+    h = json.loads(b[16:16 + n])
+    edit(h)
+    _put_header(p, h)
+    with pytest.raises(ShardError, match=r"s\.vqtok: .*" + match):
+        open_shard(p)
+
+
+def test_a_header_that_is_not_an_object(tmp_path):
+    p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    _put_header(p, None)
+    with pytest.raises(ShardError, match=r"s\.vqtok: header must be a JSON object, got NoneType"):
+        open_shard(p)
+
+
+def test_shards_of_two_image_trees_are_refused(tmp_path):
+    """A tree tokenized again without --flip left the old run's flip-* shards beside the new shard-* ones."""
+    write_shard(tmp_path / "flip-0.vqtok", *_data(), dict(HEADER, flipped=True, files_sha256="aaaa"))
+    write_shard(tmp_path / "shard-0.vqtok", *_data(), dict(HEADER, files_sha256="bbbb"))
+    with pytest.raises(ShardError, match=r"different image trees: flip-0\.vqtok lists files aaaa, shard-0\.vqtok "
+                                         r"lists bbbb"):
+        TokenShardDataset(tmp_path)
+    write_shard(tmp_path / "flip-0.vqtok", *_data(), dict(HEADER, flipped=True, files_sha256="bbbb"))
+    assert len(TokenShardDataset(tmp_path)) == 20
+    write_shard(tmp_path / "legacy.vqtok", *_data(), HEADER)  # from before the digest: not compared
+    write_shard(tmp_path / "flip-1.vqtok", *_data(), dict(HEADER, flipped=True))
+    assert len(TokenShardDataset(tmp_path)) == 40
+
+
+def test_an_unfinished_flipped_set_is_refused(tmp_path):
+    write_shard(tmp_path / "shard-0.vqtok", *_data(10), HEADER)
+    write_shard(tmp_path / "shard-1.vqtok", *_data(10), HEADER)
+    write_shard(tmp_path / "flip-0.vqtok", *_data(10), dict(HEADER, flipped=True))
+    with pytest.raises(ShardError, match="10 flipped samples for 20 unflipped; an interrupted --flip run"):
+        TokenShardDataset(tmp_path)

@@ -106,8 +106,20 @@ def test_another_tree_or_shard_size_is_not_mistaken_for_finished_work(setup, tmp
     x = torch.cat([b for b, _ in image_batches(list_images(other), 16, 8, backend="pil")])
     assert torch.equal(TokenShardDataset(out).gather(np.arange(7))[0], tok.encode(x).reshape(7, -1))
     # larger shards leave fewer: the old shard-00001 would be read as extra samples
-    with pytest.raises(ValueError, match=r"holds 1 shard shard\(s\) past this run's 1 \(shard-00001\.vqtok\)"):
+    with pytest.raises(SystemExit, match=r"holds 1 shard shard\(s\) past this run's 1 \(shard-00001\.vqtok\)"):
         main(argv + ["--images", str(other), "--shard-size", "10"])
+
+
+def test_a_run_without_flip_does_not_leave_another_trees_flipped_shards_unnoticed(setup, tmp_path):
+    images, vq, base = setup
+    main = _script_main()
+    out = tmp_path / "out"
+    argv = ["--tokenizer", str(vq), "--out", str(out), "--backend", "pil", "--device", "cpu", "--no-progress",
+            "--shard-size", "4"]
+    main(argv + ["--images", str(images), "--flip"])
+    other = write_tree(tmp_path / "other", sizes=[(40 + i, 50) for i in range(7)])
+    with pytest.raises(SystemExit, match=r"come from different image trees: flip-00000\.vqtok lists files"):
+        main(argv + ["--images", str(other)])
 
 
 @pytest.mark.parametrize("bad", [["--shard-size", "0"], ["--batch-size", "-2"], ["--num-threads", "0"]])

@@ -51,23 +51,34 @@ def _as_numpy(x, what: str, path) -> np.ndarray:
 
 
 def check_header(header: dict, path) -> dict:
+    if not isinstance(header, dict):
+        raise ShardError(f"token shard {path}: header must be a JSON object, got {type(header).__name__}")
     missing = [k for k in REQUIRED_KEYS if k not in header]
     if missing:
         raise ShardError(f"token shard {path}: header lacks {missing} (needs {list(REQUIRED_KEYS)})")
     h = dict(header)
-    h["grid"] = [int(v) for v in h["grid"]]
-    h["codebook_size"] = int(h["codebook_size"])
-    h["num_classes"] = int(h["num_classes"])
-    h["class_names"] = [str(c) for c in h["class_names"]]
-    if len(h["grid"]) != 2 or min(h["grid"]) < 1:
-        raise ShardError(f"token shard {path}: grid must be [h, w] of positive ints, got {header['grid']}")
+    grid, names = h["grid"], h["class_names"]
+    if not isinstance(grid, (list, tuple)) or len(grid) != 2 or not all(_is_int(v) and v >= 1 for v in grid):
+        raise ShardError(f"token shard {path}: grid must be [h, w] of positive ints, got {grid!r}")
+    h["grid"] = [int(v) for v in grid]
+    for key in ("codebook_size", "num_classes"):
+        if not _is_int(h[key]) or h[key] < 0:
+            raise ShardError(f"token shard {path}: {key} must be a non-negative int, got {h[key]!r}")
     if not 1 <= h["codebook_size"] <= 65536:
         raise ShardError(f"token shard {path}: codebook_size {h['codebook_size']} does not fit uint16 ids")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(c, str) for c in names):
+        raise ShardError(f"token shard {path}: class_names must be a list of strings, got {names!r}")
+    h["class_names"] = list(names)
     if len(h["class_names"]) != h["num_classes"]:
         raise ShardError(f"token shard {path}: {len(h['class_names'])} class names for "
                          f"num_classes={h['num_classes']}")
     h.setdefault("flipped", False)
     return h
+
+
+def _is_int(v) -> bool:
+    # JSON's 2.7 or "2" or true taken as an int would be read as another value, silently
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def write_shard(path, tokens, labels, header: dict) -> Path:
@@ -159,7 +170,9 @@ def open_shard(path, *, verify: bool = True) -> Shard:
             or h.get("labels_dtype") != "int32":
         raise ShardError(f"token shard {path}: unsupported format/dtypes {h.get('format')}, "
                          f"{h.get('tokens_dtype')}, {h.get('labels_dtype')} (expected uint16 tokens, int32 labels)")
-    count, m = int(h["count"]), h["grid"][0] * h["grid"][1]
+    count, m = h.get("count"), h["grid"][0] * h["grid"][1]
+    if not _is_int(count) or count < 0:
+        raise ShardError(f"token shard {path}: header count must be a non-negative int, got {count!r}")
     tok_off = 16 + n
     lab_off = tok_off + _align(count * m * 2)
     expected = lab_off + count * 4
@@ -210,6 +223,7 @@ class TokenShardDataset:
                     raise ShardError(f"token shard {s.path}: header mismatch on {k!r}: {s.header[k]!r}, but "
                                      f"{first.path.name} has {first.header[k]!r}")
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
+        self._check_one_tree()
         self.header = {k: first.header[k] for k in SHARED_KEYS}
         self.header.update(num_samples=int(self.offsets[-1]), seq_len=self.seq_len,
                            flipped=any(s.header.get("flipped", False) for s in self.shards),
@@ -218,6 +232,23 @@ class TokenShardDataset:
             if k in first.header:
                 self.header[k] = first.header[k]
         self._arrays = None
+
+    def _check_one_tree(self) -> None:
+        """Shards of one image tree: a tree tokenized again (say without --flip) left the other run's shards
+        beside the new ones, which passed the checks above and trained on images no longer in the tree."""
+        digests = {}
+        for s in self.shards:  # (shards from before the digest was recorded lack it)
+            if "files_sha256" in s.header:
+                digests.setdefault(s.header["files_sha256"], s.path.name)
+        if len(digests) > 1:
+            (a, fa), (b, fb) = list(digests.items())[:2]
+            raise ShardError(f"token shards in {self.folder} come from different image trees: {fa} lists files "
+                             f"{a}, {fb} lists {b} (files_sha256); delete the stale ones or tokenize into an empty "
+                             "folder")
+        flipped = sum(len(s) for s in self.shards if s.header.get("flipped", False))
+        if flipped and flipped != len(self) - flipped:
+            raise ShardError(f"token shards in {self.folder}: {flipped} flipped samples for {len(self) - flipped} "
+                             "unflipped; an interrupted --flip run? run scripts/tokenize.py --flip again to finish it")
 
     @property
     def seq_len(self) -> int:

@@ -59,7 +59,7 @@ def _refuse_stale(out_dir: Path, prefix: str, num_shards: int) -> None:
     would read them beside this run's, duplicating or mixing samples."""
     stale = sorted(p.name for p in out_dir.glob(f"{prefix}-*{SUFFIX}") if _index(p, prefix) >= num_shards)
     if stale:
-        raise ValueError(f"{out_dir} holds {len(stale)} {prefix} shard(s) past this run's {num_shards} "
+        raise ShardError(f"{out_dir} holds {len(stale)} {prefix} shard(s) past this run's {num_shards} "
                          f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}), from a run with other "
                          "settings; write into an empty folder, or remove them")
 
