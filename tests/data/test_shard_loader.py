@@ -89,3 +89,27 @@ def test_bad_arguments(ds):
         ShardLoader(ds, 8, rank=2, world_size=2)
     with pytest.raises(ValueError, match="cannot fill one batch"):
         ShardLoader(ds, 64, world_size=2)
+
+
+class _Seq:  # a data set without gather(): the per-item path
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i, 0]), torch.tensor(0)
+
+
+@pytest.mark.parametrize("n, world", [(2, 5), (1, 3), (3, 8)])
+def test_drop_last_false_gives_every_rank_its_batch_when_ranks_outnumber_samples(n, world):
+    """The wrap-around padding was at most n long, so the last ranks got empty batches (a crash without gather)."""
+    per_rank = [ids_of(ShardLoader(_Seq(n), 4, rank=r, world_size=world, drop_last=False)) for r in range(world)]
+    assert all(len(ids) == 1 for ids in per_rank), per_rank
+    assert set(sum(per_rank, [])) == set(range(n))
+
+
+def test_an_empty_data_set_is_refused():
+    with pytest.raises(ValueError, match="holds no samples"):
+        ShardLoader(_Seq(0), 4, drop_last=False)

@@ -34,6 +34,8 @@ class ShardLoader:
         self.seed, self.drop_last, self.shuffle = seed, drop_last, shuffle
         self.device, self.pin_memory = device, pin_memory
         self.num_samples = len(dataset)
+        if self.num_samples == 0:  # forever() would loop without yielding
+            raise ValueError("the data set holds no samples")
         if drop_last and self.num_samples < batch_size * world_size:
             raise ValueError(f"{self.num_samples} samples cannot fill one batch of {batch_size} on each of "
                              f"{world_size} ranks with drop_last=True")
@@ -65,8 +67,8 @@ class ShardLoader:
         else:
             order = np.arange(n)
         total = self._per_rank() * self.world_size
-        if total > n:
-            order = np.concatenate([order, order[: total - n]])  # wrap-around padding (drop_last=False)
+        if total > n:  # wrap-around padding (drop_last=False), as often as needed when world_size > n
+            order = np.resize(order, total)
         return order[:total][self.rank::self.world_size]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
