@@ -147,6 +147,23 @@ def test_resume_with_another_setup_is_refused_up_front(tmp_path, tiny_shards, ma
         Trainer(ds2, parse_vqlcmd_section(section), log=lambda *a, **k: None)
 
 
+def test_resume_on_other_shards_is_refused_up_front(tmp_path, tiny_shards, trainer):
+    """Shards of another tokenizer with the same codebook, grid and count passed every check: the run trained
+    on, and its pipeline named the new tokenizer for a model half trained on the old one's ids."""
+    from vqlcmd.data.shards import open_shard, write_shard
+
+    trainer(tmp_path, tiny_shards, steps=2).train(progress=False)
+    moved = tmp_path / "moved"
+    tiny_shards.rename(moved)  # another folder holding the same shards resumes
+    trainer(tmp_path, moved, steps=3).train(progress=False)
+    for f in sorted(moved.glob("*.vqtok")):
+        s = open_shard(f)
+        write_shard(f, s.tokens[:], s.labels[:], {**s.header, "tokenizer_id": "another-tokenizer"})
+    with pytest.raises(ConfigError, match=r"step_0000003 was trained on other token shards: "
+                                          r"\{\"tokenizer_id\": \[\"synthetic-test\", \"another-tokenizer\"\]\}"):
+        trainer(tmp_path, moved, steps=4)
+
+
 def test_same_model_spelled_differently_still_resumes(tmp_path, tiny_shards, make_config):
     ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2)))
     Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)

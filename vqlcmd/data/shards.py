@@ -228,7 +228,7 @@ class TokenShardDataset:
         self.header.update(num_samples=int(self.offsets[-1]), seq_len=self.seq_len,
                            flipped=any(s.header.get("flipped", False) for s in self.shards),
                            shards=[s.path.name for s in self.shards])
-        for k in ("image_size", "channels", "source"):
+        for k in ("image_size", "channels", "source", "files_sha256"):
             if k in first.header:
                 self.header[k] = first.header[k]
         self._arrays = None

@@ -387,7 +387,8 @@ class Trainer:
                 "be on a filesystem that all nodes share (checkpoints hold every rank's files in one folder)")
         barrier()  # every rank has looked before rank 0 renames the folder
         if self.rank == 0:
-            (partial / "config.json").write_text(json.dumps(self.resolved_config, indent=2))
+            (partial / "config.json").write_text(json.dumps({**self.resolved_config, "data": self._data_identity()},
+                                                            indent=2))
             final = ckpt.commit(self.ckpt_dir, self.step, self.cfg.train.keep_checkpoints)
             self.pipeline().save_pretrained(self.out_dir / "pipeline")
             self.log(f"step {self.step}: checkpoint -> {final}; pipeline -> {self.out_dir / 'pipeline'}")
@@ -410,7 +411,8 @@ class Trainer:
 
         DeepSpeed keeps bf16 and fp32 optimizer state in different layouts and fails on a mix with a
         missing-file error ("auto" may also resolve differently on another machine); another model,
-        method or embedding setup fails on state-dict keys; another micro-batch, in the loader."""
+        method or embedding setup fails on state-dict keys; another micro-batch, in the loader. Other token
+        shards of the same shapes would not fail at all: the model would go on training on them."""
         saved_file = folder / "config.json"
         if not saved_file.is_file():
             return
@@ -430,11 +432,23 @@ class Trainer:
         if ranks and ranks != self.world:  # DeepSpeed's ZeRO state and the loader's position are per rank
             raise ConfigError(f"{folder} was written by {ranks} rank(s) but this run has {self.world}; resume "
                               f"with the same number (deepspeed --num_gpus {ranks}, or as many nodes x GPUs)")
+        data, now_data = saved.get("data"), self._data_identity()  # (checkpoints from before lack it)
+        if data is not None and data != now_data:
+            diff = {k: (data.get(k), now_data.get(k)) for k in sorted(set(data) | set(now_data))
+                    if data.get(k) != now_data.get(k)}
+            raise ConfigError(f"{folder} was trained on other token shards: {json.dumps(diff)[:600]} (then, now); "
+                              "resume on the same data (another tokenizer's ids mean other things to the model), or "
+                              "train in another train.output_dir")
         micro = saved.get("train_micro_batch_size_per_gpu")
         if micro is not None and micro != ds["train_micro_batch_size_per_gpu"]:
             raise ConfigError(f"{folder} was trained with train_micro_batch_size_per_gpu={micro} but this run has "
                               f"{ds['train_micro_batch_size_per_gpu']}; the data loader resumes mid-epoch by batch "
                               "count, so resume with the same micro-batch")
+
+    def _data_identity(self) -> dict:
+        """The shards' header as a resume compares it: where they lie (``source``) and the shard file names may
+        change, what they hold may not."""
+        return {k: v for k, v in self.header.items() if k not in ("source", "shards")}
 
     def load(self) -> bool:
         tag = ckpt.latest_tag(self.ckpt_dir)
