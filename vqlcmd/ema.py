@@ -17,6 +17,8 @@ class EMA:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
         self.decay = float(decay)
+        # eval(): the shadow runs without dropout. As the CM teacher that is our choice (the paper does not
+        # say): its prediction is the student's target, and dropout there would only add noise to it.
         self.module = copy.deepcopy(module).float().eval().requires_grad_(False)
 
     @torch.no_grad()

@@ -76,7 +76,8 @@ class EMASection:
     sampling: float = 0.999  # ours: slower EMA used by the exported pipeline
 
     def __post_init__(self):
-        _require(self, tuple((name, lambda v: 0.0 <= v <= 1.0, "in [0, 1]") for name in ("teacher", "sampling")))
+        # (1 would be a shadow that never moves; the EMA refuses it, but only once the run has built the model)
+        _require(self, tuple((name, lambda v: 0.0 <= v < 1.0, "in [0, 1)") for name in ("teacher", "sampling")))
 
 
 @dataclass
