@@ -69,6 +69,32 @@ def test_terms_match_independent_transcription():
     torch.testing.assert_close(out["loss"].detach(), l0 + 0.005 * l_dm.detach() + l_cm, rtol=1e-4, atol=1e-5)
 
 
+def test_vlb_weight_is_minus_half_the_derivative_of_the_snr():
+    """weighting="vlb": L_∞ = E_t[−½ SNR'(t) ‖E[x] − Ψ̂‖²] (paper eq. vlb), with SNR' taken by autograd of the
+    paper's SNR(t) = exp(−2 log tan(πt/2) + shift) rather than from the schedule's own derivative."""
+    net, teacher, x, y = _setup()
+    sched = ShiftedCosineSchedule(-1.0)
+    cfg = LossConfig(p_drop=0.0, drop_strategy="none", label_drop=0.0, beta_cm=0.0, weighting="vlb")
+    out = training_losses(net, teacher, sched, x, y, cfg, generator=torch.Generator().manual_seed(5),
+                          backend="reference")
+    g = torch.Generator().manual_seed(5)
+    B, M = x.shape
+    E, K = net.embedding.weight, 16
+    t = torch.rand(B, generator=g)
+    torch.rand(B, generator=g)  # s
+    eps = torch.randn(B, M, E.shape[1], generator=g)
+    t64 = t.double().requires_grad_(True)
+    snr = torch.exp(-2 * torch.log(torch.tan(math.pi * t64 / 2)) - 1.0)
+    (dsnr,) = torch.autograd.grad(snr.sum(), t64)
+    lam = torch.log(snr.detach()).float()[:, None, None]
+    z_t = torch.sigmoid(lam).sqrt() * E[x] + torch.sigmoid(-lam).sqrt() * eps
+    with torch.no_grad():
+        psi = torch.softmax(net.denoiser(z_t, t, y), -1) @ E[:K]
+        sq_err = ((E[x] - psi) ** 2).sum(dim=(1, 2)).double()
+    assert (dsnr < 0).all()  # SNR falls with t, so the weight is positive
+    torch.testing.assert_close(out["l_vlb"].double(), (-0.5 * dsnr * sq_err).mean(), rtol=1e-4, atol=0)
+
+
 def test_l0_fraction_decodes_the_first_images_only():
     net, teacher, x, y = _setup()
     sched = ShiftedCosineSchedule(0.0)
