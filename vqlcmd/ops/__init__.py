@@ -67,7 +67,9 @@ def guided_embedding_average(
 
     ``softmax((1+ω) log_softmax(cond) - ω log_softmax(uncond)) @ table``
     (VQ-LCMD.md, guidance); ω = 0 is :func:`softmax_embedding_average` of ``cond``.
-    Used by the samplers, so no gradient is promised.
+    Used by the samplers, so no gradient is promised. A class both logits rule out (-inf) stays out; one
+    that only ``uncond`` rules out has an infinite guided weight, and its row is NaN for ω > 0 (a network's
+    logits are finite, so the kernels do not spend a pass on it).
     """
     _checks.check_average_inputs(cond_logits, table)
     _checks.check_logits_pair(cond_logits, uncond_logits)
