@@ -101,7 +101,9 @@ class Trainer:
         error = fingerprint = None
         try:
             shard_dir, tok_dir = resolve_shards(cfg.data, self.rank, log=self.log)
-            self.dataset = TokenShardDataset(shard_dir)
+            # One full check (CRC, id ranges: a read of every shard) per node is enough: the ranks of a node
+            # read the same files, and a failure on one rank stops all of them at agree_on_setup below.
+            self.dataset = TokenShardDataset(shard_dir, verify=self.local_rank == 0)
             self.tokenizer_dir = tok_dir
             header = self.dataset.header
             den_cfg = preset_config(cfg.model.preset, **cfg.model.overrides)
