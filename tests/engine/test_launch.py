@@ -40,6 +40,11 @@ def test_two_rank_zero2_bf16_run_saves_checkpoints(tmp_path, tiny_shards, make_c
     assert (ck / "latest").read_text().strip() == "step_0000003"
     assert {p.name for p in (ck / "step_0000003").glob("rank_*_state.pt")} == {"rank_00000_state.pt",
                                                                               "rank_00001_state.pt"}
+    import torch
+
+    states = [torch.load(ck / "step_0000003" / f"rank_0000{r}_state.pt", weights_only=True) for r in (0, 1)]
+    # attention dropout's global generator: one stream per rank (both ranks used to drop the same weights)
+    assert not torch.equal(states[0]["torch_rng"], states[1]["torch_rng"])
     assert (tmp_path / "run" / "pipeline" / "model.safetensors").is_file()
 
 

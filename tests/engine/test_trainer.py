@@ -37,6 +37,24 @@ def test_resume_gives_the_same_losses(tmp_path, tiny_shards, trainer):
     assert straight[0]["loss"] != straight[-1]["loss"]
 
 
+def test_checkpoints_and_previews_do_not_change_the_run(tmp_path, tiny_shards, trainer, monkeypatch):
+    """Exporting the pipeline loads the tokenizer, whose modules initialise from the global generator that attention
+    dropout (0.1 in 'tiny') draws from: a run that saved checkpoints went on differently from one that did not,
+    and from one resumed from those checkpoints."""
+    plain = trainer(tmp_path / "a", tiny_shards, steps=6).train(progress=False)
+    build = Trainer.pipeline
+
+    def pipeline_drawing_from_the_global_rng(self):
+        torch.randn(1000)
+        if self.device.type == "cuda":
+            torch.randn(1000, device=self.device)
+        return build(self)
+
+    monkeypatch.setattr(Trainer, "pipeline", pipeline_drawing_from_the_global_rng)
+    saving = trainer(tmp_path / "b", tiny_shards, steps=6, checkpoint_every=2).train(progress=False)
+    assert [h["loss"] for h in saving] == [h["loss"] for h in plain]
+
+
 def test_checkpoints_are_complete_and_pruned(tmp_path, tiny_shards, trainer):
     tr = trainer(tmp_path, tiny_shards, steps=6, checkpoint_every=2, keep_checkpoints=2)
     tr.train(progress=False)

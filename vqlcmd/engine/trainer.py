@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -172,6 +173,9 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds)
         self.net: VQLCMDNetwork = self.engine.module.net
+        # Attention dropout draws from the global generator, seeded alike above for equal initial weights: each
+        # rank now gets its own stream, or every data-parallel rank would drop the same attention weights.
+        torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, self.rank]).generate_state(1)[0]))
         try:
             self.loader = ShardLoader(self.dataset, micro, rank=self.rank, world_size=self.world, seed=cfg.train.seed)
         except ValueError as exc:  # the data set cannot fill a micro-batch on every rank
@@ -298,7 +302,7 @@ class Trainer:
         if self.step != start or ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
             self.save()
         elif self.rank == 0:
-            self.pipeline().save_pretrained(self.out_dir / "pipeline")
+            self._export_pipeline()
         return history
 
     def _log_scalars(self, terms: dict, images_per_s: float) -> None:
@@ -339,10 +343,24 @@ class Trainer:
                                                "sampler": s.sampler, "final": s.final},
                               extra_config={"training_config": self.resolved_config, "step": self.step})
 
+    def _untouched_rng(self):
+        """Work outside training (loading the tokenizer initialises modules from the global generator) runs in a
+        fork of the global RNG: attention dropout draws from it, and a run that wrote a checkpoint or a preview
+        must go on exactly as a run resumed from that checkpoint, and as one that wrote neither."""
+        return torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+
+    def _export_pipeline(self) -> None:
+        with self._untouched_rng():
+            self.pipeline().save_pretrained(self.out_dir / "pipeline")
+
     def save_sample_grid(self, path: Optional[Path] = None) -> Optional[Path]:
         """Class-conditional grid (a row per class) from the sampling EMA, saved as PNG (rank 0)."""
         if self.rank != 0 or self.tokenizer_dir is None:
             return None
+        with self._untouched_rng():
+            return self._sample_grid(path)
+
+    def _sample_grid(self, path: Optional[Path]) -> Path:
         from torchvision.utils import save_image
 
         pipe = self.pipeline()
@@ -392,7 +410,7 @@ class Trainer:
             (partial / "config.json").write_text(json.dumps({**self.resolved_config, "data": self._data_identity()},
                                                             indent=2))
             final = ckpt.commit(self.ckpt_dir, self.step, self.cfg.train.keep_checkpoints)
-            self.pipeline().save_pretrained(self.out_dir / "pipeline")
+            self._export_pipeline()
             self.log(f"step {self.step}: checkpoint -> {final}; pipeline -> {self.out_dir / 'pipeline'}")
         barrier()
 
