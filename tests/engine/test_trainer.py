@@ -1,5 +1,6 @@
 """Training engine on CPU (gloo, one rank): resume equivalence, checkpoints, non-finite stop, pipeline export."""
 import json
+import math
 
 import pytest
 import torch
@@ -280,3 +281,33 @@ def test_a_checkpoint_of_the_old_compile_wrapper_still_loads(tmp_path, tiny_shar
     tr.engine.module.load_state_dict(old)
     for k, v in tr.engine.module.state_dict().items():
         torch.testing.assert_close(v, state[k] + 1)
+
+
+def _scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_logged_lr_is_the_one_each_step_used_and_grad_norm_is_logged(tmp_path, tiny_shards, make_config):
+    """train/lr was read after the scheduler had moved on (one step late), and ZeRO 0 in fp32 logged no grad norm
+    (DeepSpeed keeps none for a plain client optimizer); the run's own must equal DeepSpeed's at ZeRO 2."""
+    got = {}
+    for stage in (0, 2):
+        path = make_config(tmp_path / str(stage), tiny_shards, steps=4, log_every=1)
+        cfg = json.loads(path.read_text())
+        cfg["zero_optimization"]["stage"] = stage
+        path.write_text(json.dumps(cfg))
+        ds, c = load_config(str(path))
+        Trainer(ds, c, log=lambda *a, **k: None).train(progress=False)
+        got[stage] = _scalars(tmp_path / str(stage) / "run")
+    # the documented schedule: warm-up (k + 1) / 2 over 2 steps, then cosine to 0.1 at step 4; step n uses k = n - 1
+    factor = [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5))]
+    for stage in (0, 2):
+        assert [s for s, _ in got[stage]["train/lr"]] == [1, 2, 3, 4]
+        assert [v for _, v in got[stage]["train/lr"]] == pytest.approx([3e-3 * f for f in factor], rel=1e-6)
+    norms = [[v for _, v in got[stage]["train/grad_norm"]] for stage in (0, 2)]
+    assert len(norms[0]) == 4 and all(v > 0 for v in norms[0])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)

@@ -183,6 +183,7 @@ class Trainer:
         # per-rank stream for t, s, ε, drop masks: reproducible and saved with checkpoints
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 1000 + self.rank)
         self.step = 0
+        self.step_lr, self.own_grad_norm = 0.0, None
         attn = attention_backend_for(torch.empty(1, 1, 1, 8, device=self.device,
                                                  dtype=torch.bfloat16 if self.bf16 else torch.float32),
                                      den_cfg.attn_dropout)
@@ -231,7 +232,8 @@ class Trainer:
     # ---- one step -----------------------------------------------------------------------------
     def train_step(self, batches) -> dict:
         terms = {}
-        for _ in range(self.gas):
+        self.step_lr = self.engine.get_lr()[0]  # the rate this step uses: the scheduler has moved on by the log
+        for micro in range(self.gas):
             tokens, labels = next(batches)
             tokens, labels = tokens.to(self.device), labels.to(self.device)
             if self.net.config.num_classes == 0:
@@ -239,6 +241,12 @@ class Trainer:
             out = self.engine(tokens, labels, self.generator)
             values = self._read_terms(out)
             self.engine.backward(out["loss"])
+            if micro == self.gas - 1 and not hasattr(self.engine.optimizer, "_global_grad_norm"):
+                # DeepSpeed keeps no norm for a plain client optimizer (ZeRO 0 in fp32): the reduced gradients'
+                # own, before clipping as DeepSpeed's is; no read-back until it is logged
+                grads = [q.grad for q in self.engine.module.parameters() if q.grad is not None]
+                self.own_grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) \
+                    if grads else None
             self.engine.step()
             for k, v in values.items():
                 terms[k] = terms.get(k, 0.0) + v / self.gas
@@ -311,9 +319,11 @@ class Trainer:
         for k, v in terms.items():
             self.tb.add_scalar(f"loss/{k}", v, self.step)
         gn = self.engine.get_global_grad_norm()
+        if gn is None:
+            gn = self.own_grad_norm
         if gn is not None:
             self.tb.add_scalar("train/grad_norm", float(gn), self.step)
-        self.tb.add_scalar("train/lr", self.engine.get_lr()[0], self.step)
+        self.tb.add_scalar("train/lr", self.step_lr, self.step)
         self.tb.add_scalar("train/images_per_s", images_per_s, self.step)
         self.tb.add_scalar("train/tokens_per_s", images_per_s * self.net.config.seq_len, self.step)
         K = self.net.config.codebook_size
