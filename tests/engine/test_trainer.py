@@ -183,6 +183,27 @@ def test_resume_on_other_shards_is_refused_up_front(tmp_path, tiny_shards, train
         trainer(tmp_path, moved, steps=4)
 
 
+def test_a_resume_trains_with_the_configs_rates(tmp_path, tiny_shards, make_config):
+    """The checkpoint brought back the old lr, betas, weight decay and EMA rates, while config.json and the pipeline
+    recorded the new ones."""
+    from vqlcmd.engine.config import parse_vqlcmd_section
+
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=4)))
+    Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False, until=2)
+    section = cfg.to_dict()
+    section["optimizer"].update(lr=1e-3, betas=[0.8, 0.95], weight_decay=0.1)
+    section["ema"].update(teacher=0.9, sampling=0.5)
+    lines = []
+    tr = Trainer(ds, parse_vqlcmd_section(section), log=lines.append)
+    tr.train(progress=False, until=3)
+    groups = tr.engine.optimizer.param_groups
+    assert all(tuple(g["betas"]) == (0.8, 0.95) and g["weight_decay"] == 0.1 for g in groups)
+    assert tr.step_lr == pytest.approx(1e-3)  # step 3: past the 2 warm-up steps, cosine at its start
+    assert (tr.teacher.decay, tr.sampling_ema.decay) == (0.9, 0.5)
+    said = next(line for line in lines if line.startswith("resuming with the config's"))
+    assert "optimizer.lr 0.001 (checkpoint: 0.003)" in said and "ema.teacher 0.9 (checkpoint: 0.99)" in said
+
+
 def test_same_model_spelled_differently_still_resumes(tmp_path, tiny_shards, make_config):
     ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2)))
     Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)

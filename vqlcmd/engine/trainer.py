@@ -480,6 +480,31 @@ class Trainer:
         change, what they hold may not."""
         return {k: v for k, v in self.header.items() if k not in ("source", "shards")}
 
+    def _apply_config_rates(self) -> None:
+        """A checkpoint brings back the optimizer's hyper-parameters, the schedule's base rate and the EMA rates
+        with their state; a resume whose config changed them trained on with the old ones, while config.json and
+        the pipeline recorded the new. The config wins (lowering the rate on resume is a common fix), and the
+        log says what changed."""
+        o, changed = self.cfg.optimizer, {}
+        sched = self.engine.lr_scheduler
+        for i, group in enumerate(self.engine.optimizer.param_groups):
+            for key, value in (("betas", tuple(o.betas)), ("weight_decay", o.weight_decay), ("eps", o.eps)):
+                current = tuple(group[key]) if key == "betas" else group[key]
+                if current != value:
+                    changed[f"optimizer.{key}"] = (current, value)
+                    group[key] = value
+            if sched.base_lrs[i] != o.lr:
+                changed["optimizer.lr"] = (sched.base_lrs[i], o.lr)
+                sched.base_lrs[i] = o.lr
+            group["lr"] = o.lr * sched.lr_lambdas[i](sched.last_epoch)  # the rate of the next step
+        for name, ema in (("teacher", self.teacher), ("sampling", self.sampling_ema)):
+            if ema.decay != getattr(self.cfg.ema, name):
+                changed[f"ema.{name}"] = (ema.decay, getattr(self.cfg.ema, name))
+                ema.decay = getattr(self.cfg.ema, name)
+        if changed:
+            self.log("resuming with the config's " + ", ".join(f"{k} {new} (checkpoint: {old})"
+                                                               for k, (old, new) in changed.items()))
+
     def load(self) -> bool:
         tag = ckpt.latest_tag(self.ckpt_dir)
         if tag is None:
@@ -495,6 +520,7 @@ class Trainer:
         self.step = int(client["step"])
         self.teacher.load_state_dict(client["teacher"])
         self.sampling_ema.load_state_dict(client["sampling_ema"])
+        self._apply_config_rates()
         rank_file = self.ckpt_dir / tag / f"rank_{self.rank:05d}_state.pt"
         if not rank_file.is_file():
             raise RuntimeError(f"{rank_file} is missing: the checkpoint was written by a run with a different "
