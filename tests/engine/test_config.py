@@ -49,6 +49,35 @@ def test_zero3_refused_with_reason(tmp_path):
         load_config(str(p))
 
 
+@pytest.mark.parametrize("ds, match", [
+    ({"gradient_clippin": 1.0}, r"unknown DeepSpeed key 'gradient_clippin'; did you mean 'gradient_clipping'\?"),
+    ({"zero_optimisation": {"stage": 2}}, r"did you mean 'zero_optimization'\?"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 0.5}}}, r"DeepSpeed 'optimizer' section is not used: .*"
+                                                             r"vqlcmd\.optimizer"),
+    ({"scheduler": {"type": "WarmupLR"}}, r"DeepSpeed 'scheduler' section is not used"),
+    ({"gradient_clipping": "1.0"}, r"gradient_clipping must be a number >= 0 \(0: off\), got '1\.0'"),
+    ({"gradient_clipping": -1}, r"gradient_clipping must be a number >= 0"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     r"zero_optimization\.offload_optimizer is not supported"),
+    ({"zero_optimization": {"stage": "2"}}, r"zero_optimization\.stage must be the integer 0, 1 or 2, got '2'"),
+])
+def test_deepspeed_keys_that_would_be_ignored_or_fail_late_are_refused(tmp_path, ds, match):
+    """Each ran before: a typo or an optimizer section without effect, a string clip failing at step 1, offload
+    failing inside DeepSpeed with a traceback."""
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({**ds, "vqlcmd": {}}))
+    with pytest.raises(ConfigError, match=match):
+        load_config(str(p))
+
+
+def test_an_unknown_deepspeed_key_far_from_any_known_one_is_a_warning(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}},
+                             "my_own_note": "x", "vqlcmd": {}}))
+    with pytest.warns(UserWarning, match="'my_own_note' is not a DeepSpeed key this engine knows"):
+        load_config(str(p))
+
+
 def _run_train(cfg_path, *extra):
     return subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(cfg_path),
                            "--no-progress", *extra], capture_output=True, text=True, timeout=600)

@@ -251,8 +251,49 @@ def load_config(name: str) -> tuple[dict, VQLCMDConfig]:
     return raw, cfg
 
 
+# DeepSpeed keys a run of this engine may set. DeepSpeed ignores keys it does not read, so a misspelt one
+# ("gradient_clippin") trained without its setting and said nothing: a near miss of these is an error here.
+_DEEPSPEED_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "bf16", "fp16", "amp", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "activation_checkpointing",
+    "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "data_types", "torch_autocast", "compile", "checkpoint",
+    "aio", "timers", "dataloader_drop_last", "data_efficiency", "curriculum_learning", "autotuning", "elasticity",
+    "compression_training", "pipeline", "eigenvalue", "progressive_layer_drop", "nebula", "hybrid_engine",
+    "weight_quantization", "graph_harvesting", "use_data_before_expert_parallelism", "mics_shard_size",
+)
+
+
 def check_deepspeed_section(ds: dict, path) -> None:
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    import difflib
+
+    for key in ds:
+        if key in _DEEPSPEED_KEYS:
+            continue
+        near = difflib.get_close_matches(key, _DEEPSPEED_KEYS, n=1, cutoff=0.8)
+        if near:
+            raise ConfigError(f"{path}: unknown DeepSpeed key {key!r}; did you mean {near[0]!r}? (DeepSpeed would "
+                              "ignore it without a word)")
+        warnings.warn(f"{path}: {key!r} is not a DeepSpeed key this engine knows; DeepSpeed ignores keys it does "
+                      "not read", stacklevel=2)
+    for key in ("optimizer", "scheduler"):
+        if key in ds:  # deepspeed.initialize takes the client optimizer and schedule over these, silently
+            raise ConfigError(f"{path}: a DeepSpeed {key!r} section is not used: the engine builds AdamW and its "
+                              "warm-up + cosine schedule from vqlcmd.optimizer; set the rates there")
+    clip = ds.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+        raise ConfigError(f"{path}: gradient_clipping must be a number >= 0 (0: off), got {clip!r}")
+    zero = ds.get("zero_optimization", {})
+    offload = [k for k in ("offload_optimizer", "offload_param")
+               if isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"]
+    if offload:
+        raise ConfigError(f"{path}: zero_optimization.{offload[0]} is not supported: ZeRO-Offload wants DeepSpeed's "
+                          "CPU Adam, and the engine's optimizer is torch's AdamW (or apex's FusedAdam)")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise ConfigError(f"{path}: zero_optimization.stage must be the integer 0, 1 or 2, got {stage!r}")
     if stage not in (0, 1, 2):
         raise ConfigError(
             f"{path}: zero_optimization.stage={stage} is not supported: the EMA teacher runs a full forward "
