@@ -18,6 +18,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 
 import argparse
 import json
+import signal
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without install
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     from vqlcmd.data.shards import ShardError
     from vqlcmd.engine.checkpoint import CheckpointError
     from vqlcmd.engine.distributed import LaunchError, RankSetupError
-    from vqlcmd.engine.trainer import Trainer
+    from vqlcmd.engine.trainer import Trainer, TrainingInterrupted
 
     try:
         trainer = Trainer(ds_config, cfg)
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
     except FileNotFoundError as exc:  # an empty shard folder, a tokenizer folder without its files
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as exc:  # Ctrl-C or a preemption, after a checkpoint: the shell's code for it
+        print(str(exc), file=sys.stderr)
+        return 128 + (exc.signum or signal.SIGTERM)
     if args.evaluate and trainer.rank == 0:
         from vqlcmd.engine.report import final_report
 

@@ -332,3 +332,55 @@ def test_logged_lr_is_the_one_each_step_used_and_grad_norm_is_logged(tmp_path, t
     norms = [[v for _, v in got[stage]["train/grad_norm"]] for stage in (0, 2)]
     assert len(norms[0]) == 4 and all(v > 0 for v in norms[0])
     assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+
+
+def test_a_signal_stops_at_the_step_boundary_with_a_checkpoint_and_the_run_resumes_exactly(
+        tmp_path, tiny_shards, trainer, monkeypatch):
+    """Ctrl-C or a preemption's SIGTERM lost everything since the last checkpoint (a raw KeyboardInterrupt)."""
+    import os
+    import signal
+
+    from vqlcmd.engine.trainer import TrainingInterrupted
+
+    straight = trainer(tmp_path / "a", tiny_shards, steps=6).train(progress=False)
+    step = Trainer.train_step
+
+    def step_with_a_signal(self, batches):
+        if self.step == 2:  # arrives during step 3: the run finishes it, saves, stops
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", step_with_a_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingInterrupted, match=r"stopped by SIGTERM after step 3; checkpoint .*step_0000003"):
+        trainer(tmp_path / "b", tiny_shards, steps=6).train(progress=False)
+    assert signal.getsignal(signal.SIGTERM) is before
+    ck = tmp_path / "b" / "run" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_0000003"
+    monkeypatch.setattr(Trainer, "train_step", step)
+    rest = trainer(tmp_path / "b", tiny_shards, steps=6).train(progress=False)
+    assert [h["step"] for h in rest] == [4, 5, 6]
+    assert [h["loss"] for h in rest] == [h["loss"] for h in straight[3:]]
+
+
+def test_ctrl_c_under_the_cli_saves_and_exits_with_the_shells_code(tmp_path, tiny_shards, make_config):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    cfg = make_config(tmp_path, tiny_shards, steps=100000, log_every=1)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--config", str(cfg), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (tmp_path / "run" / "tb").is_dir():
+        time.sleep(0.5)
+    time.sleep(3)  # some steps in
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert "SIGINT: stopping after this step" in out and "launch the same command again to resume" in out
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    assert latest.startswith("step_") and int(latest[5:]) > 0

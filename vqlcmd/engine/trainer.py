@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +37,16 @@ from .precision import resolve_bf16
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT or SIGTERM (Ctrl-C, a preempted job) stopped the run at a step boundary, after a checkpoint."""
+
+    def __init__(self, signum: Optional[int], step: int, where: Path):
+        self.signum = signum  # None on a rank that learnt of another rank's signal
+        name = signal.Signals(signum).name if signum else "another rank's signal"
+        super().__init__(f"stopped by {name} after step {step}; checkpoint {where}: launch the same command again "
+                         "to resume")
 
 
 class LossModule(nn.Module):
@@ -184,6 +196,7 @@ class Trainer:
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 1000 + self.rank)
         self.step = 0
         self.step_lr, self.own_grad_norm = 0.0, None
+        self.signal_seen, self.stop_agreed = None, False  # a SIGINT / SIGTERM on this rank; on any rank
         attn = attention_backend_for(torch.empty(1, 1, 1, 8, device=self.device,
                                                  dtype=torch.bfloat16 if self.bf16 else torch.float32),
                                      den_cfg.attn_dropout)
@@ -259,13 +272,16 @@ class Trainer:
         """The scalar loss terms as floats, averaged over ranks (as the gradients are: rank 0's alone were logged
         before), or NonFiniteLossError (on every rank alike) if one is not finite on any rank.
 
-        One collective and one read-back from the device per micro-step: the terms and the non-finite flag
-        travel together (the flag's mean is > 0 if any rank set it). Checking and reading each term on its
+        One collective and one read-back from the device per micro-step: the terms, the non-finite flag and
+        the stop flag travel together (the flag's mean is > 0 if any rank set it). Checking and reading each term on its
         own stalled the host once per term, twice."""
         names = list(out)
         values = torch.stack([out[k].detach().float().reshape(()) for k in names])
-        host = mean_over_ranks(torch.cat([(~torch.isfinite(values)).any().float().reshape(1), values])).tolist()
-        read = dict(zip(names, host[1:]))
+        # the stop flag rides along: every rank learns at the same micro-step that one of them got a signal
+        stop = torch.tensor([float(self.signal_seen is not None)], device=values.device)
+        host = mean_over_ranks(torch.cat([(~torch.isfinite(values)).any().float().reshape(1), stop, values])).tolist()
+        self.stop_agreed = self.stop_agreed or host[1] > 0
+        read = dict(zip(names, host[2:]))
         if host[0]:
             bad = {k: v for k, v in read.items() if not math.isfinite(v)}
             raise NonFiniteLossError(
@@ -287,9 +303,54 @@ class Trainer:
         batches = self.loader.forever()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress or self.rank != 0, desc="train",
                    dynamic_ncols=True)
+        with self._stop_on_signals():
+            self._train_loop(stop, batches, bar, history)
+        bar.close()
+        if self.stop_agreed:
+            if ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
+                self.save()
+            raise TrainingInterrupted(self.signal_seen, self.step, self.ckpt_dir / ckpt.tag_for(self.step))
+        # a finished run launched again trains nothing: its checkpoint stands (saving the same step again
+        # would only replace it, and risk it); the pipeline is exported again, in case a crash came between
+        if self.step != start or ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
+            self.save()
+        elif self.rank == 0:
+            self._export_pipeline()
+        return history
+
+    def _stop_on_signals(self):
+        """SIGINT / SIGTERM ask for a stop at the next step boundary, with a checkpoint, instead of losing the work
+        since the last one (a preempted job gets SIGTERM, and the deepspeed launcher passes on Ctrl-C as SIGTERM).
+        A second signal acts as it did before: stop now."""
+        import contextlib
+
+        if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+            return contextlib.nullcontext()
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def ask_to_stop(signum, frame):
+            self.signal_seen = signum
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.log(f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint (again: stop now)")
+
+        @contextlib.contextmanager
+        def installed():
+            for s in previous:
+                signal.signal(s, ask_to_stop)
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+        return installed()
+
+    def _train_loop(self, stop: int, batches, bar, history: list) -> None:
+        cfg = self.cfg.train
         # throughput counts the training steps only: a sample grid or checkpoint between two logs made it dip
         train_seconds, step_last = 0.0, self.step
-        while self.step < stop:
+        while self.step < stop and not self.stop_agreed:
             t0 = time.perf_counter()
             terms = self.train_step(batches)  # ends in a read-back of the losses: the step is done
             train_seconds += time.perf_counter() - t0
@@ -304,14 +365,6 @@ class Trainer:
                 self.save_sample_grid()
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step != cfg.steps:
                 self.save()
-        bar.close()
-        # a finished run launched again trains nothing: its checkpoint stands (saving the same step again
-        # would only replace it, and risk it); the pipeline is exported again, in case a crash came between
-        if self.step != start or ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
-            self.save()
-        elif self.rank == 0:
-            self._export_pipeline()
-        return history
 
     def _log_scalars(self, terms: dict, images_per_s: float) -> None:
         if self.tb is None:
