@@ -110,3 +110,26 @@ def test_peak_flops_tells_the_nvl_cards_apart():
     assert flops.peak_bf16_flops("NVIDIA H100 NVL") == flops.peak_bf16_flops("NVIDIA H200 NVL") == 835.5e12
     assert flops.peak_bf16_flops("NVIDIA H200") == flops.H200_PEAK_BF16_FLOPS
     assert flops.peak_bf16_flops("Tesla T4") is None
+
+
+def test_cpu_peak_is_the_most_memory_held_at_once():
+    # three 1 MiB buffers alive together, freed inside an enclosing op, then 2 MiB: the peak is 3 MiB.
+    # Summing each op's self usage at its start read 0 B here (the enclosing op's frees came first).
+    mib = 2**20
+
+    def fn():
+        with torch.profiler.record_function("outer"):
+            a, b, c = (torch.empty(mib, dtype=torch.uint8) for _ in range(3))
+            del a, b, c
+            d = torch.empty(2 * mib, dtype=torch.uint8)
+            del d
+
+    assert harness.cpu_peak_bytes(fn) == 3 * mib
+
+
+def test_cpu_peak_fails_loudly_without_the_profilers_memory_records():
+    class NoRecords:
+        profiler = object()  # no kineto_results
+
+    with pytest.raises(RuntimeError, match="memory records"):
+        harness._cpu_memory_records(NoRecords())
