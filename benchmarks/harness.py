@@ -121,6 +121,12 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
 
 
+def failed_case(exc: BaseException, *, stage: str, case: str, backend: str, shape: str) -> Skip:
+    """The failed Skip row for a case that raised ``exc``, said on stderr as it happens."""
+    print(f"  {stage} | {case} | {backend} | {shape}: FAILED {describe_error(exc)}", file=sys.stderr, flush=True)
+    return Skip(stage, case, backend, describe_error(exc), failed=True)
+
+
 def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, shape: str, dtype: str,
              fn: Callable[[], object], baseline: str = "", setup: Optional[Callable[[], None]] = None,
              extra: Optional[Callable[[Timing], dict]] = None, warmup: int = 3, reps: int = 10,
@@ -143,8 +149,7 @@ def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, sh
             timing, how = with_graph_timing(fn, ctx.device, timing, setup)
         figures = {**(extra(timing) if extra else {}), **how}
     except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
-        out.append(Skip(stage, case, backend, describe_error(exc), failed=True))
-        print(f"  {stage} | {case} | {backend} | {shape}: FAILED {describe_error(exc)}", file=sys.stderr, flush=True)
+        out.append(failed_case(exc, stage=stage, case=case, backend=backend, shape=shape))
         return None
     out.append(Result(stage, case, backend, shape, dtype, timing, baseline, figures))
     # progress for long runs (stderr: the table on stdout stays clean)

@@ -133,3 +133,32 @@ def test_cpu_peak_fails_loudly_without_the_profilers_memory_records():
 
     with pytest.raises(RuntimeError, match="memory records"):
         harness._cpu_memory_records(NoRecords())
+
+
+def test_a_failing_compiled_op_gives_a_failed_row_and_the_stage_goes_on(monkeypatch):
+    from benchmarks import stage_compiled_ops as stage
+    from benchmarks.harness import Context, Result, Skip
+    from vqlcmd import ops
+
+    if ops.why_not("categorical_kl", "compiled", torch.empty(1)) is not None:
+        pytest.skip("the compiled extension is not built")
+    real = ops.ddim_teacher_step
+
+    def broken(*args, backend="auto", **kwargs):
+        if backend == "compiled":
+            raise RuntimeError("simulated kernel failure")
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(ops, "ddim_teacher_step", broken)
+    ctx = Context(torch.device("cpu"), quick=True)
+    # the ddim case, then one that must still be measured after it
+    by_name = {c[:2]: c for c in stage._cases(ctx)}
+    cases = [by_name["ddim_teacher_step", "fwd"], by_name["categorical_kl", "fwd"]]
+    monkeypatch.setattr(stage, "_cases", lambda ctx: cases)
+    rows = stage.run(ctx)
+    failed = [r for r in rows if isinstance(r, Skip)]
+    assert [(r.case, r.backend, r.failed) for r in failed] == [("ddim_teacher_step fwd", "compiled", True)]
+    assert "simulated kernel failure" in failed[0].reason
+    measured = {(r.case, r.backend) for r in rows if isinstance(r, Result)}
+    assert measured == {("ddim_teacher_step fwd", "reference"), ("categorical_kl fwd", "reference"),
+                        ("categorical_kl fwd", "compiled")}
