@@ -167,7 +167,8 @@ MIN_REPS = 3
 
 def summarize(times_ms: list[float], peak_mem_bytes: int = 0) -> Timing:
     """Median and interquartile range of repeated timings (one timing: no spread)."""
-    q = statistics.quantiles(times_ms, n=4) if len(times_ms) >= 2 else [times_ms[0]] * 3
+    # inclusive: the default "exclusive" method extrapolates past the range for 2-3 repetitions
+    q = statistics.quantiles(times_ms, n=4, method="inclusive") if len(times_ms) >= 2 else [times_ms[0]] * 3
     return Timing(statistics.median(times_ms), q[2] - q[0], peak_mem_bytes, len(times_ms))
 
 
