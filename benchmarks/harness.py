@@ -121,6 +121,12 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
 
 
+def failed_case(exc: BaseException, *, stage: str, case: str, backend: str, shape: str) -> Skip:
+    """The failed Skip row for a case that raised ``exc``, said on stderr as it happens."""
+    print(f"  {stage} | {case} | {backend} | {shape}: FAILED {describe_error(exc)}", file=sys.stderr, flush=True)
+    return Skip(stage, case, backend, describe_error(exc), failed=True)
+
+
 def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, shape: str, dtype: str,
              fn: Callable[[], object], baseline: str = "", setup: Optional[Callable[[], None]] = None,
              extra: Optional[Callable[[Timing], dict]] = None, warmup: int = 3, reps: int = 10,
@@ -143,8 +149,7 @@ def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, sh
             timing, how = with_graph_timing(fn, ctx.device, timing, setup)
         figures = {**(extra(timing) if extra else {}), **how}
     except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
-        out.append(Skip(stage, case, backend, describe_error(exc), failed=True))
-        print(f"  {stage} | {case} | {backend} | {shape}: FAILED {describe_error(exc)}", file=sys.stderr, flush=True)
+        out.append(failed_case(exc, stage=stage, case=case, backend=backend, shape=shape))
         return None
     out.append(Result(stage, case, backend, shape, dtype, timing, baseline, figures))
     # progress for long runs (stderr: the table on stdout stays clean)
@@ -162,7 +167,8 @@ MIN_REPS = 3
 
 def summarize(times_ms: list[float], peak_mem_bytes: int = 0) -> Timing:
     """Median and interquartile range of repeated timings (one timing: no spread)."""
-    q = statistics.quantiles(times_ms, n=4) if len(times_ms) >= 2 else [times_ms[0]] * 3
+    # inclusive: the default "exclusive" method extrapolates past the range for 2-3 repetitions
+    q = statistics.quantiles(times_ms, n=4, method="inclusive") if len(times_ms) >= 2 else [times_ms[0]] * 3
     return Timing(statistics.median(times_ms), q[2] - q[0], peak_mem_bytes, len(times_ms))
 
 
@@ -303,16 +309,35 @@ def _spent(times_ms: list, budget_s: Optional[float]) -> bool:
 
 
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes allocated during ``fn()`` on CPU. PyTorch's CPU allocator is not seen by
-    tracemalloc, so this uses the profiler's memory accounting."""
+    """Peak bytes allocated during ``fn()`` on CPU: the running maximum of the allocations minus
+    the frees, in the order they happened. PyTorch's CPU allocator is not seen by tracemalloc,
+    so this uses the profiler's memory accounting."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    # self usage: an op's own allocations minus frees, so nested ops are not counted twice
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage != 0), key=lambda e: e.time_range.start)
     level = peak = 0
-    for e in events:
-        level += e.self_cpu_memory_usage
+    for _, nbytes in sorted(_cpu_memory_records(prof), key=lambda r: r[0]):  # stable: ties keep their order
+        level += nbytes
         peak = max(peak, level)
     return peak
+
+
+def _cpu_memory_records(prof) -> list[tuple[int, int]]:
+    """(time ns, bytes: + allocated, - freed) of every CPU allocation and free the profiler saw.
+
+    The public events cannot give the peak: they attach memory to ops by time interval, and an
+    op's self usage, placed at its start, counts its frees before its children's allocations
+    (0 B for a foreach AdamW step that allocates MBs). The raw "[memory]" records are reached
+    only through the private ``kineto_results``; if that moves, fail here rather than report 0.
+    """
+    try:
+        events = prof.profiler.kineto_results.events()
+        records = [(e.start_ns(), e.nbytes(), e.device_type()) for e in events if e.name() == "[memory]"]
+    except AttributeError as exc:
+        raise RuntimeError(f"this torch's profiler no longer exposes its memory records ({exc}); "
+                           "benchmarks/harness.py:_cpu_memory_records needs updating") from exc
+    from torch.autograd import DeviceType
+
+    cpu = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)  # what torch counts as CPU memory
+    return [(t, n) for t, n, d in records if d in cpu]

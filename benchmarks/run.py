@@ -150,7 +150,7 @@ def to_rows(records: list, ups: dict[int, float], meta: dict) -> list[dict]:
 
 def append_rows(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".csv":
+    if path.suffix.lower() == ".csv":
         new = not path.exists() or path.stat().st_size == 0
         with open(path, "a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=ROW_FIELDS)
@@ -162,6 +162,18 @@ def append_rows(path: Path, rows: list[dict]) -> None:
         with open(path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row, sort_keys=False) + "\n")
+
+
+def out_problem(path: Path) -> str | None:
+    """Why ``--out`` cannot be appended to, or None; checked before any stage runs, so a bad path
+    does not end in a traceback after minutes of measuring."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"--out {path}: cannot append to it ({exc.strerror or exc})"
+    return None
 
 
 def _fmt_ms(x: float) -> str:
@@ -247,6 +259,10 @@ def main(argv=None) -> int:
     unknown = [s for s in stages if s not in known]
     if unknown:
         print(f"unknown stage(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
+        return 2
+    problem = out_problem(args.out)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device is available", file=sys.stderr)

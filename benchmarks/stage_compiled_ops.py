@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import (Context, Result, StageSkipped, Timing, describe_error, environment, kernel_sum_ms,
-                                measure, with_graph_timing)
+from benchmarks.harness import (Context, Record, Result, StageSkipped, Timing, describe_error, environment,
+                                failed_case, kernel_sum_ms, measure, with_graph_timing)
 from vqlcmd import ops
 
 STAGE = "compiled_ops"
@@ -208,7 +208,7 @@ def _kernel_fraction(build, device: torch.device, nbytes: int, copy_bps: float) 
             "kernel_fraction_of_copy": round(nbytes / (k.median_ms * 1e-3) / copy_bps, 3)}
 
 
-def run(ctx: Context) -> list[Result]:
+def run(ctx: Context) -> list[Record]:
     reason = ops.why_not("categorical_kl", "compiled", torch.empty(1, device=ctx.device))
     if reason is not None:  # not built, or built without CUDA kernels for a CUDA context
         raise StageSkipped(reason)
@@ -223,9 +223,12 @@ def run(ctx: Context) -> list[Result]:
         makers = {b: _maker(make, b, variants) for b in ("reference", "compiled", *variants)
                   if b == "reference" or ctx.wants(b)}
         for backend, build in makers.items():
-            fn, setup = build()
-            t = measure(fn, ctx.device, setup=setup, **_reps(ctx))
-            timings[backend] = with_graph_timing(fn, ctx.device, t, setup) if not ctx.quick else (t, {})
+            try:
+                fn, setup = build()
+                t = measure(fn, ctx.device, setup=setup, **_reps(ctx))
+                timings[backend] = with_graph_timing(fn, ctx.device, t, setup) if not ctx.quick else (t, {})
+            except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
+                results.append(failed_case(exc, stage=STAGE, case=f"{op} {case}", backend=backend, shape=shape))
         timings, how = {b: t for b, (t, _) in timings.items()}, {b: h for b, (_, h) in timings.items()}
         same_copy_ms = equal_copy_ms(ctx.device, nbytes) if copy_bps else None
         draw_ms = randn_ms(ctx.device, drawn) if copy_bps and "drawn" in case else None

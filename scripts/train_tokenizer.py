@@ -50,6 +50,21 @@ def parse_args(argv=None):
         p.error(f"--size {args.size} must be divisible by {2 ** (len(blocks) - 1)} ({len(blocks) - 1} downsamplings "
                 f"by 2, one per block after the first)")
     args.blocks = blocks
+    if args.dataset == "digits" and args.channels not in (None, 1):
+        p.error(f"--channels {args.channels}: the digits are grayscale (1 channel)")
+    if args.dataset == "digits" and args.out is None:
+        # prepare_digits builds the quick start's tokenizer, cached under steps, batch size, seed and size
+        # only: passing other settings through would need them in that key too, or the cache would hand a
+        # different model back under the quick start's name
+        default_blocks = tuple(int(c) for c in p.get_default("channels_per_block").split(","))
+        ignored = [opt for opt, changed in (("--lr", args.lr != p.get_default("lr")),
+                                            ("--codebook-size", args.codebook_size != p.get_default("codebook_size")),
+                                            ("--code-dim", args.code_dim != p.get_default("code_dim")),
+                                            ("--channels-per-block", blocks != default_blocks)) if changed]
+        if ignored:
+            p.error(f"{', '.join(ignored)}: --dataset digits without --out trains the quick start's cached tokenizer, "
+                    "which takes only --steps, --seed, --size and --batch-size; give --out DIR to train one with "
+                    "these settings")
     return args
 
 

@@ -110,3 +110,62 @@ def test_peak_flops_tells_the_nvl_cards_apart():
     assert flops.peak_bf16_flops("NVIDIA H100 NVL") == flops.peak_bf16_flops("NVIDIA H200 NVL") == 835.5e12
     assert flops.peak_bf16_flops("NVIDIA H200") == flops.H200_PEAK_BF16_FLOPS
     assert flops.peak_bf16_flops("Tesla T4") is None
+
+
+def test_cpu_peak_is_the_most_memory_held_at_once():
+    # three 1 MiB buffers alive together, freed inside an enclosing op, then 2 MiB: the peak is 3 MiB.
+    # Summing each op's self usage at its start read 0 B here (the enclosing op's frees came first).
+    mib = 2**20
+
+    def fn():
+        with torch.profiler.record_function("outer"):
+            a, b, c = (torch.empty(mib, dtype=torch.uint8) for _ in range(3))
+            del a, b, c
+            d = torch.empty(2 * mib, dtype=torch.uint8)
+            del d
+
+    assert harness.cpu_peak_bytes(fn) == 3 * mib
+
+
+def test_cpu_peak_fails_loudly_without_the_profilers_memory_records():
+    class NoRecords:
+        profiler = object()  # no kineto_results
+
+    with pytest.raises(RuntimeError, match="memory records"):
+        harness._cpu_memory_records(NoRecords())
+
+
+def test_a_failing_compiled_op_gives_a_failed_row_and_the_stage_goes_on(monkeypatch):
+    from benchmarks import stage_compiled_ops as stage
+    from benchmarks.harness import Context, Result, Skip
+    from vqlcmd import ops
+
+    if ops.why_not("categorical_kl", "compiled", torch.empty(1)) is not None:
+        pytest.skip("the compiled extension is not built")
+    real = ops.ddim_teacher_step
+
+    def broken(*args, backend="auto", **kwargs):
+        if backend == "compiled":
+            raise RuntimeError("simulated kernel failure")
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(ops, "ddim_teacher_step", broken)
+    ctx = Context(torch.device("cpu"), quick=True)
+    # the ddim case, then one that must still be measured after it
+    by_name = {c[:2]: c for c in stage._cases(ctx)}
+    cases = [by_name["ddim_teacher_step", "fwd"], by_name["categorical_kl", "fwd"]]
+    monkeypatch.setattr(stage, "_cases", lambda ctx: cases)
+    rows = stage.run(ctx)
+    failed = [r for r in rows if isinstance(r, Skip)]
+    assert [(r.case, r.backend, r.failed) for r in failed] == [("ddim_teacher_step fwd", "compiled", True)]
+    assert "simulated kernel failure" in failed[0].reason
+    measured = {(r.case, r.backend) for r in rows if isinstance(r, Result)}
+    assert measured == {("ddim_teacher_step fwd", "reference"), ("categorical_kl fwd", "reference"),
+                        ("categorical_kl fwd", "compiled")}
+
+
+def test_spread_stays_within_the_range_for_few_repetitions():
+    # the exclusive quantiles gave an IQR of 1.5 for two timings 1 ms apart (quick mode times twice)
+    assert harness.summarize([1.0, 2.0]).spread_ms == pytest.approx(0.5)
+    assert harness.summarize([1.0, 2.0, 4.0]).spread_ms == pytest.approx(1.5)
+    assert harness.summarize([5.0]).spread_ms == 0

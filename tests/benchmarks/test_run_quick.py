@@ -156,6 +156,21 @@ def test_a_backend_no_stage_has_is_named(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["a_folder", "a_file/r.jsonl"])
+def test_an_out_that_cannot_be_written_is_refused_before_any_stage(tmp_path, monkeypatch, capsys, where):
+    # before, the first stage ran for minutes and the write then ended in a traceback
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(bench, "run_stage", lambda name, ctx: pytest.fail("a stage ran"))
+    assert bench.main(["--stage", "attention", "--device", "cpu", "--out", str(tmp_path / where)]) == 2
+    assert f"--out {tmp_path / where}: cannot append to it" in capsys.readouterr().err
+
+
+def test_csv_suffix_in_any_case(tmp_path):
+    bench.append_rows(tmp_path / "r.CSV", [{k: "" for k in bench.ROW_FIELDS} | {"extra": {}}])
+    assert (tmp_path / "r.CSV").read_text().startswith("stage,case,backend")
+
+
 def test_threads_must_be_positive(capsys):
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--threads", "-1"])

@@ -99,3 +99,11 @@ def test_damaged_or_foreign_files_are_named(tmp_path):
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.ckpt"):
         convert_taming_checkpoint(tmp_path / "nope.ckpt", tmp_path / "vq", SMALL)
+
+
+@pytest.mark.parametrize("smaller", [dict(num_res_blocks=0), dict(attn_resolutions=[])])
+def test_config_smaller_than_the_checkpoint_names_what_is_left_over(tmp_path, smaller):
+    _, ckpt, _ = _checkpoint(tmp_path, SMALL)
+    with pytest.raises(ValueError, match=r"last\.ckpt has \d+ tensor\(s\) the configured model lacks") as err:
+        convert_taming_checkpoint(ckpt, tmp_path / "vq", dict(SMALL, **smaller))
+    assert "'num_res_blocks'" in str(err.value) and "'decoder." in str(err.value)  # the config, the first names

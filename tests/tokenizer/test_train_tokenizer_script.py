@@ -47,4 +47,25 @@ def test_bad_arguments_are_refused_before_training(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         _parse(*argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
-    assert _parse("--size", "16", "--channels-per-block", "8,16").blocks == (8, 16)
+    assert _parse("--size", "16", "--channels-per-block", "8,16", "--out", "tok").blocks == (8, 16)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--lr", "1e-3"], "--lr"),
+    (["--codebook-size", "64", "--code-dim", "4"], "--codebook-size, --code-dim"),
+    (["--channels-per-block", "8,16"], "--channels-per-block"),
+])
+def test_digits_cache_refuses_the_settings_it_would_ignore(argv, named, capsys):
+    # before, these were dropped without a word and the quick start's default tokenizer was trained or reused
+    with pytest.raises(SystemExit) as exc:
+        _parse(*argv)
+    assert exc.value.code == 2 and f"{named}: --dataset digits without --out" in capsys.readouterr().err
+    _parse(*argv, "--out", "tok")  # with a folder of its own they are used
+    _parse("--lr", "2e-3", "--channels-per-block", "16,32,64")  # the values the cache uses are no conflict
+
+
+def test_digits_are_grayscale(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse("--channels", "3", "--out", "tok")
+    assert exc.value.code == 2 and "--channels 3: the digits are grayscale" in capsys.readouterr().err
+    assert _parse("--channels", "1").channels == 1

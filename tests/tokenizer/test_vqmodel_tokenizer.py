@@ -126,6 +126,23 @@ def test_a_few_training_steps_run_and_revive_dead_codes():
     assert metrics["codebook_size"] == 16 and 1 <= metrics["codebook_usage"] <= 16
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluate_leaves_the_model_as_it_found_it(training):
+    # evaluate wrapped the caller's model in a tokenizer that froze it: training after it then failed
+    from vqlcmd.tokenizer import evaluate
+
+    m = _tiny(channels=1).train(training)
+    m.decoder.requires_grad_(False)  # a part the caller froze stays frozen, the rest stays trainable
+    m.encoder.eval()  # and mixed modes stay mixed
+    modes = {name: mod.training for name, mod in m.named_modules()}
+    grads = {name: p.requires_grad for name, p in m.named_parameters()}
+    x = torch.rand(8, 1, 16, 16) * 2 - 1
+    assert evaluate(m, x)["codebook_size"] == 16
+    assert {name: mod.training for name, mod in m.named_modules()} == modes
+    assert {name: p.requires_grad for name, p in m.named_parameters()} == grads
+    train_vqmodel(m, x, TrainConfig(steps=2, batch_size=4), progress=False)  # what failed after it
+
+
 def test_dead_code_reinit_moves_only_dead_codes():
     codebook = torch.zeros(4, 2)
     hits = torch.tensor([3.0, 0.0, 1.0, 0.0])

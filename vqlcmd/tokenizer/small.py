@@ -47,16 +47,24 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def evaluate(model, images: torch.Tensor, batch_size: int = 256) -> dict:
-    """Reconstruction PSNR through the token path (encode -> ids -> decode) and codebook usage."""
+    """Reconstruction PSNR through the token path (encode -> ids -> decode) and codebook usage.
+    ``model`` is left as it came: its modules' train/eval modes and its parameters' requires_grad."""
     from .vqmodel import VQModelTokenizer
 
-    tok = VQModelTokenizer(model, identifier="eval")
-    recon, used = [], torch.zeros(tok.codebook_size, dtype=torch.bool)
-    for i in range(0, len(images), batch_size):
-        ids = tok.encode(images[i:i + batch_size])
-        used[ids.flatten().cpu()] = True
-        recon.append(tok.decode(ids).cpu())
-    model.train()
+    modes = [(m, m.training) for m in model.modules()]
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        tok = VQModelTokenizer(model, identifier="eval")  # freezes and evals the model it wraps
+        recon, used = [], torch.zeros(tok.codebook_size, dtype=torch.bool)
+        for i in range(0, len(images), batch_size):
+            ids = tok.encode(images[i:i + batch_size])
+            used[ids.flatten().cpu()] = True
+            recon.append(tok.decode(ids).cpu())
+    finally:  # the caller may go on training it
+        for m, training in modes:
+            m.training = training
+        for p, requires_grad in grads:
+            p.requires_grad_(requires_grad)
     return {"psnr": psnr(torch.cat(recon), images), "codebook_usage": int(used.sum()),
             "codebook_size": tok.codebook_size}
 

@@ -154,6 +154,10 @@ def convert_taming_checkpoint(ckpt_path, out_dir, config=None) -> dict:
     if missing:
         raise ValueError(f"taming checkpoint {ckpt_path} lacks {len(missing)} tensor(s) the configured model needs "
                          f"(config {cfg}): {missing[:10]}")
+    unexpected = sorted(set(mapped) - set(expected))
+    if unexpected:  # e.g. more res blocks, attention levels or resolutions than the config says
+        raise ValueError(f"taming checkpoint {ckpt_path} has {len(unexpected)} tensor(s) the configured model lacks "
+                         f"(config {cfg}): {unexpected[:10]}")
     bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
            for k, v in mapped.items() if tuple(v.shape) != tuple(expected[k].shape)]
     if bad:
