@@ -80,6 +80,27 @@ def test_missing_and_wrong_folders(tmp_path):
         load_tokenizer(tmp_path / "a_file")
 
 
+def test_a_folder_without_weights_or_with_weights_of_another_size(folder, tmp_path):
+    """diffusers named only the .bin it looked for last, after a warning; a size mismatch was torch's RuntimeError,
+    naming neither folder nor file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    weights = bad / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(weights))
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=r"bad' has no weights file \(diffusion_pytorch_model\.safetensors "
+                                                r"or diffusion_pytorch_model\.bin\)"):
+        load_tokenizer(bad)
+    state["quantize.embedding.weight"] = torch.zeros(3, 2)
+    save_file(state, str(weights))
+    with pytest.raises(ValueError, match=r"bad': the weights do not fit its config\.json \(.*quantize\.embedding"):
+        load_tokenizer(bad)
+
+
 @pytest.mark.parametrize("change, problem", [("drop", r"missing keys: \['quantize\.embedding\.weight'\]"),
                                              ("add", r"unexpected keys: \['extra\.weight'\]")])
 def test_weights_that_do_not_fit_the_config_are_refused(folder, tmp_path, change, problem):
