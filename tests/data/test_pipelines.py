@@ -118,8 +118,12 @@ def test_decode_check_skips_truncated_files_up_front(bad_tree):
 
 
 def test_missing_folder_and_bad_options(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(FileNotFoundError, match="nowhere' does not exist"):
         list_images(tmp_path / "nowhere")
+    (tmp_path / "one.png").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"one\.png' is a file, not a folder"):
+        list_images(tmp_path / "one.png")
+    (tmp_path / "one.png").unlink()
     with pytest.raises(FileNotFoundError, match="no readable images"):
         list_images(tmp_path)
     (tmp_path / "x.jpg").write_bytes(b"")

@@ -58,7 +58,8 @@ def list_images(root, *, check: str = "header") -> ImageList:
         raise ValueError(f"check must be 'none', 'header' or 'decode', got {check!r}")
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"image folder {str(root)!r} does not exist")
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise FileNotFoundError(f"image folder {str(root)!r} {what}")
     subdirs = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if subdirs:
         loose = [p.name for p in root.iterdir() if p.is_file() and p.name.lower().endswith(IMAGE_EXTENSIONS)
