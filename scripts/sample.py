@@ -153,7 +153,10 @@ def seed_value(text: str) -> int:
 def check_manifest(out: Path, settings: dict, rank: int, world: int) -> None:
     """Rank 0 checks --out and writes the manifest; every rank then exits with its refusal, if any, rather
     than waiting at a barrier that rank 0 never reaches (launchers that do not stop the others would hang)."""
-    error = _manifest_error(out, settings) if rank == 0 else None
+    try:
+        error = _manifest_error(out, settings) if rank == 0 else None
+    except OSError as exc:  # an unwritable --out: said by every rank too, not left at the broadcast
+        error = f"--out {out}: {exc}"
     if _dist_active():
         import torch.distributed as dist
 

@@ -1,8 +1,10 @@
 """Multi-process runs under the deepspeed launcher on CPU (gloo): what CI can check of distributed training."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,61 @@ def test_one_rank_cpu_group_does_not_compile_deepspeeds_shm_allreduce(tmp_path):
     assert "shm op: None" in proc.stdout
     assert "built successfully" not in proc.stdout + proc.stderr
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
+
+
+def _launch_long_run(tmp_path, tiny_shards, make_config):
+    import psutil
+
+    from vqlcmd.engine.distributed import free_port
+
+    cfg = make_config(tmp_path, tiny_shards, steps=100000, log_every=1)
+    proc = subprocess.Popen([shutil.which("deepspeed"), "--master_port", str(free_port()), "--num_gpus", "2",
+                             "scripts/train.py", "--config", str(cfg), "--no-progress"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 300
+    while time.time() < deadline and not (tmp_path / "run" / "tb").is_dir():  # rank 0 writes it once set up
+        time.sleep(0.5)
+    time.sleep(3)  # some steps in
+    ranks = {}
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        cmd = " ".join(p.cmdline())
+        if "scripts/train.py" in cmd and "--local_rank=" in cmd:
+            ranks[int(cmd.split("--local_rank=")[1].split()[0])] = p
+    assert sorted(ranks) == [0, 1], ranks
+    return proc, ranks
+
+
+def _checkpoint_of_both_ranks(tmp_path):
+    ck = tmp_path / "run" / "checkpoints"
+    latest = (ck / "latest").read_text().strip()
+    assert int(latest[5:]) > 0
+    assert {p.name for p in (ck / latest).glob("rank_*_state.pt")} == {"rank_00000_state.pt", "rank_00001_state.pt"}
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step_with_a_checkpoint(tmp_path, tiny_shards, make_config):
+    """The stop flag travels in the per-step collective: rank 0, never signalled, stops at rank 1's step."""
+    proc, ranks = _launch_long_run(tmp_path, tiny_shards, make_config)
+    ranks[1].send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out[-3000:]
+    assert "another rank's signal: stopping at step" in out, out[-3000:]  # rank 0's log
+    _checkpoint_of_both_ranks(tmp_path)
+
+
+def test_ctrl_c_under_the_launcher_saves_a_checkpoint(tmp_path, tiny_shards, make_config):
+    """Ctrl-C signals the whole foreground group: each rank gets SIGINT, then the launcher's SIGTERM, which used
+    to count as a second signal and killed the ranks before they saved."""
+    import psutil
+
+    proc, ranks = _launch_long_run(tmp_path, tiny_shards, make_config)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.5)  # the launcher's SIGTERM comes a moment later (sent here too, so the test does not hang on timing)
+    for p in ranks.values():
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    out, _ = proc.communicate(timeout=300)
+    assert "SIGINT: stopping at step" in out, out[-3000:]
+    _checkpoint_of_both_ranks(tmp_path)

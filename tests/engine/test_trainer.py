@@ -152,6 +152,7 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path, tiny_shards, trai
 @pytest.mark.parametrize("change, match", [
     ({"model": {"preset": "tiny", "overrides": {"depth": 1}}}, r"vqlcmd\.model = .* but this run has .*\"depth\": 1"),
     ({"embedding": {"frozen": True}}, r"vqlcmd\.embedding = \{\"frozen\": false"),
+    ({"schedule": {"shift": -1.0}}, r"vqlcmd\.schedule = \{\"shift\": 0\.0.* but this run has \{\"shift\": -1\.0"),
     ({"micro": 4}, r"train_micro_batch_size_per_gpu=8 but this run has 4"),
 ])
 def test_resume_with_another_setup_is_refused_up_front(tmp_path, tiny_shards, make_config, change, match):
@@ -352,13 +353,14 @@ def test_a_signal_stops_at_the_step_boundary_with_a_checkpoint_and_the_run_resum
 
     monkeypatch.setattr(Trainer, "train_step", step_with_a_signal)
     before = signal.getsignal(signal.SIGTERM)
+    tr = trainer(tmp_path / "b", tiny_shards, steps=6)
     with pytest.raises(TrainingInterrupted, match=r"stopped by SIGTERM after step 3; checkpoint .*step_0000003"):
-        trainer(tmp_path / "b", tiny_shards, steps=6).train(progress=False)
+        tr.train(progress=False)
     assert signal.getsignal(signal.SIGTERM) is before
     ck = tmp_path / "b" / "run" / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step_0000003"
     monkeypatch.setattr(Trainer, "train_step", step)
-    rest = trainer(tmp_path / "b", tiny_shards, steps=6).train(progress=False)
+    rest = tr.train(progress=False)  # the same trainer goes on (as after a Ctrl-C in a notebook)
     assert [h["step"] for h in rest] == [4, 5, 6]
     assert [h["loss"] for h in rest] == [h["loss"] for h in straight[3:]]
 
@@ -381,6 +383,6 @@ def test_ctrl_c_under_the_cli_saves_and_exits_with_the_shells_code(tmp_path, tin
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
-    assert "SIGINT: stopping after this step" in out and "launch the same command again to resume" in out
+    assert "SIGINT: stopping at step" in out and "launch the same command again to resume" in out
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest.startswith("step_") and int(latest[5:]) > 0

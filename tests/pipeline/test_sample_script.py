@@ -168,12 +168,13 @@ def _manifest_worker(rank, init_file, out_dir, results):
         dist.destroy_process_group()
 
 
-def test_a_refusal_on_rank_0_stops_every_rank(tmp_path):
+@pytest.mark.parametrize("where, said", [("samples", "is a file, not a folder"),
+                                         ("samples/sub", "samples/sub: [Errno 20] Not a directory")])
+def test_a_refusal_on_rank_0_stops_every_rank(tmp_path, where, said):
     """Only rank 0 reads --out; the others used to wait at a barrier it never reached, which hangs under
-    launchers that do not stop the other processes when one fails."""
-    out = tmp_path / "samples"
-    out.write_text("not a folder")
+    launchers that do not stop the other processes when one fails (an OSError there too)."""
+    (tmp_path / "samples").write_text("not a folder")
     results = mp.Manager().dict()
-    mp.spawn(_manifest_worker, args=(str(tmp_path / "init"), str(out), results), nprocs=2, join=True)
-    assert "is a file, not a folder" in results[0]
+    mp.spawn(_manifest_worker, args=(str(tmp_path / "init"), str(tmp_path / where), results), nprocs=2, join=True)
+    assert said in results[0]
     assert results[1] == results[0]

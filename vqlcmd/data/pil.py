@@ -38,7 +38,7 @@ def _eight_bit(im):
     DALI's decoder applies it.)"""
     from PIL import Image
 
-    if im.mode not in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+    if im.mode not in ("I;16", "I;16B", "I;16L", "I;16N"):  # ("I", 32 bits, says nothing of its range)
         return im
     a = np.asarray(im, dtype=np.float64) * (255.0 / 65535.0)
     return Image.fromarray(np.clip(np.round(a), 0, 255).astype(np.uint8), "L")

@@ -254,12 +254,10 @@ class Trainer:
             out = self.engine(tokens, labels, self.generator)
             values = self._read_terms(out)
             self.engine.backward(out["loss"])
-            if micro == self.gas - 1 and not hasattr(self.engine.optimizer, "_global_grad_norm"):
-                # DeepSpeed keeps no norm for a plain client optimizer (ZeRO 0 in fp32): the reduced gradients'
-                # own, before clipping as DeepSpeed's is; no read-back until it is logged
+            if micro == self.gas - 1 and self._logs_own_grad_norm():
+                # the reduced gradients' norm before clipping, as DeepSpeed's; no read-back until it is logged
                 grads = [q.grad for q in self.engine.module.parameters() if q.grad is not None]
-                self.own_grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) \
-                    if grads else None
+                self.own_grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
             self.engine.step()
             for k, v in values.items():
                 terms[k] = terms.get(k, 0.0) + v / self.gas
@@ -267,6 +265,13 @@ class Trainer:
         self.sampling_ema.update(self.net)
         self.step += 1
         return terms
+
+    def _logs_own_grad_norm(self) -> bool:
+        """Whether this step's grad norm is logged here and DeepSpeed keeps none (a plain client optimizer: ZeRO 0
+        in fp32)."""
+        cfg = self.cfg.train
+        logged = (self.step + 1) % cfg.log_every == 0 or self.step + 1 == cfg.steps
+        return self.tb is not None and logged and not hasattr(self.engine.optimizer, "_global_grad_norm")
 
     def _read_terms(self, out: dict) -> dict:
         """The scalar loss terms as floats, averaged over ranks (as the gradients are: rank 0's alone were logged
@@ -278,7 +283,7 @@ class Trainer:
         names = list(out)
         values = torch.stack([out[k].detach().float().reshape(()) for k in names])
         # the stop flag rides along: every rank learns at the same micro-step that one of them got a signal
-        stop = torch.tensor([float(self.signal_seen is not None)], device=values.device)
+        stop = values.new_full((1,), float(self.signal_seen is not None))  # a fill: no host-to-device copy
         host = mean_over_ranks(torch.cat([(~torch.isfinite(values)).any().float().reshape(1), stop, values])).tolist()
         self.stop_agreed = self.stop_agreed or host[1] > 0
         read = dict(zip(names, host[2:]))
@@ -291,7 +296,8 @@ class Trainer:
 
     def train(self, progress: bool = True, until: Optional[int] = None) -> list[dict]:
         """Train to ``train.steps`` (or stop early at step ``until``, saving a checkpoint there, as a
-        preempted job would); resumes from the latest checkpoint when ``train.resume``."""
+        preempted job would); resumes from the latest checkpoint when ``train.resume``. SIGINT / SIGTERM stop
+        it at the next step boundary with a checkpoint: :class:`TrainingInterrupted`."""
         from tqdm.auto import tqdm
 
         cfg = self.cfg.train
@@ -303,36 +309,40 @@ class Trainer:
         batches = self.loader.forever()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress or self.rank != 0, desc="train",
                    dynamic_ncols=True)
-        with self._stop_on_signals():
+        self.signal_seen, self.stop_agreed = None, False
+        with self._stop_on_signals():  # through the saving too: the deepspeed launcher sends SIGTERM after Ctrl-C
             self._train_loop(stop, batches, bar, history)
-        bar.close()
-        if self.stop_agreed:
-            if ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
+            bar.close()
+            if self.stop_agreed:
+                name = signal.Signals(self.signal_seen).name if self.signal_seen else "another rank's signal"
+                self.log(f"{name}: stopping at step {self.step}, saving a checkpoint first (Ctrl-C again: stop now, "
+                         "without it)")
+            # a finished run launched again trains nothing: its checkpoint stands (saving the same step again
+            # would only replace it, and risk it); the pipeline is exported again, in case a crash came between
+            if self.step != start or ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
                 self.save()
+            elif self.rank == 0:
+                self._export_pipeline()
+        if self.stop_agreed and self.step < cfg.steps:
             raise TrainingInterrupted(self.signal_seen, self.step, self.ckpt_dir / ckpt.tag_for(self.step))
-        # a finished run launched again trains nothing: its checkpoint stands (saving the same step again
-        # would only replace it, and risk it); the pipeline is exported again, in case a crash came between
-        if self.step != start or ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
-            self.save()
-        elif self.rank == 0:
-            self._export_pipeline()
         return history
 
     def _stop_on_signals(self):
-        """SIGINT / SIGTERM ask for a stop at the next step boundary, with a checkpoint, instead of losing the work
-        since the last one (a preempted job gets SIGTERM, and the deepspeed launcher passes on Ctrl-C as SIGTERM).
-        A second signal acts as it did before: stop now."""
+        """While installed, SIGINT and SIGTERM only set a flag: the loop stops at the next step boundary and the
+        run saves a checkpoint, instead of losing the work since the last one (a preempted job gets SIGTERM; under
+        the deepspeed launcher Ctrl-C reaches each rank as SIGINT and then as the launcher's SIGTERM, and SLURM
+        may send several). A second SIGINT (Ctrl-C again) stops at once, as before."""
         import contextlib
 
         if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
             return contextlib.nullcontext()
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        # (None: a handler set outside Python, which could not be put back)
+        previous = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
 
-        def ask_to_stop(signum, frame):
-            self.signal_seen = signum
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            self.log(f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint (again: stop now)")
+        def ask_to_stop(signum, frame):  # no I/O here: the loop says what happened
+            if signum == signal.SIGINT and self.signal_seen == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.signal_seen = self.signal_seen or signum
 
         @contextlib.contextmanager
         def installed():
@@ -506,7 +516,7 @@ class Trainer:
             raise ConfigError(f"{folder} was trained in {name[was]} but this run trains in {name[self.bf16]}; "
                               f"set bf16.enabled to {str(was).lower()} in the config to resume it")
         then, now = saved.get("vqlcmd", {}), self.cfg.to_dict()
-        for key in ("method", "model", "embedding"):
+        for key in ("method", "model", "embedding", "schedule"):  # (another schedule: another method mid-run)
             if key in then and _setup(key, then[key]) != _setup(key, now[key]):
                 raise ConfigError(f"{folder} was trained with vqlcmd.{key} = {json.dumps(then[key])} but this run has "
                                   f"{json.dumps(now[key])}; resume with the same, or train in another "

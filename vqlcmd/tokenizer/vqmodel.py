@@ -97,17 +97,19 @@ def load_vqmodel(path: str | os.PathLike):
     # diffusers defaults to its accelerate-based lazy init and, without accelerate (an optional
     # dependency here), warns on every load before falling back; asking only for what is
     # installed loads the same weights without the warning.
-    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME, is_accelerate_available
+    from diffusers.utils import (SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
+                                 is_accelerate_available)
 
-    weights = [SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME]
+    weights = [SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME]  # (or sharded)
     if not any((folder / w).is_file() for w in weights):  # diffusers would name only the .bin, after a warning
-        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} has no weights file ({' or '.join(weights)})")
+        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} has no weights file ({' or '.join(weights[:2])})")
     try:
         model, info = VQModel.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
                                               low_cpu_mem_usage=is_accelerate_available())
-    except RuntimeError as exc:  # torch's size mismatch on loading, which names neither folder nor file
-        lines = str(exc).strip().splitlines()
-        said = [line.strip() for line in lines if "mismatch" in line] or lines[:1]
+    except RuntimeError as exc:  # torch's size mismatch on loading names neither folder nor file
+        said = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
+        if not said:
+            raise
         raise ValueError(f"tokenizer folder {str(folder)!r}: the weights do not fit its config.json ("
                          f"{'; '.join(said[:3])[:400]})") from exc
     # diffusers only warns about these and initialises missing weights at random (unseeded): a tokenizer
