@@ -70,8 +70,8 @@ def test_terms_match_independent_transcription():
 
 
 def test_vlb_weight_is_minus_half_the_derivative_of_the_snr():
-    """weighting="vlb": L_∞ = E_t[−½ SNR'(t) ‖E[x] − Ψ̂‖²] (paper eq. vlb), with SNR' taken by autograd of the
-    paper's SNR(t) = exp(−2 log tan(πt/2) + shift) rather than from the schedule's own derivative."""
+    """weighting="vlb": L_∞ = E_t[−½ SNR'(t) ‖E[x] − Ψ̂‖²] (paper eq. vlb), with SNR' taken by autograd of
+    the paper's SNR(t) = exp(−2 log tan(πt/2) + shift) rather than from the schedule's own derivative."""
     net, teacher, x, y = _setup()
     sched = ShiftedCosineSchedule(-1.0)
     cfg = LossConfig(p_drop=0.0, drop_strategy="none", label_drop=0.0, beta_cm=0.0, weighting="vlb")

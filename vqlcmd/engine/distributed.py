@@ -102,11 +102,15 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def data_identity(header: dict) -> dict:
+    """What token shards hold, from a data set's header: without where they lie (``source``, which may differ
+    between nodes holding copies, or after a move) and the shard file names."""
+    return {k: v for k, v in header.items() if k not in ("source", "shards")}
+
+
 def data_fingerprint(header: dict) -> str:
-    """What every rank must agree on about its token shards: the header without ``source`` (a path, which
-    may differ between nodes that hold copies of one data set)."""
-    seen = {k: v for k, v in header.items() if k != "source"}
-    return hashlib.sha256(json.dumps(seen, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """What every rank must agree on about its token shards: a digest of :func:`data_identity`."""
+    return hashlib.sha256(json.dumps(data_identity(header), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class RankSetupError(RuntimeError):

@@ -29,7 +29,8 @@ from ..schedule import ShiftedCosineSchedule
 from . import checkpoint as ckpt
 from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import resolve_shards
-from .distributed import agree_on_setup, barrier, data_fingerprint, exchanged, init_distributed, mean_over_ranks
+from .distributed import (agree_on_setup, barrier, data_fingerprint, data_identity, exchanged, init_distributed,
+                          mean_over_ranks)
 from .host_memory import keep_freed_memory
 from .optim import build_optimizer, build_scheduler
 from .precision import resolve_bf16
@@ -480,8 +481,8 @@ class Trainer:
                 "be on a filesystem that all nodes share (checkpoints hold every rank's files in one folder)")
         barrier()  # every rank has looked before rank 0 renames the folder
         if self.rank == 0:
-            (partial / "config.json").write_text(json.dumps({**self.resolved_config, "data": self._data_identity()},
-                                                            indent=2))
+            written = {**self.resolved_config, "data": data_identity(self.header)}  # what a resume checks
+            (partial / "config.json").write_text(json.dumps(written, indent=2))
             final = ckpt.commit(self.ckpt_dir, self.step, self.cfg.train.keep_checkpoints)
             self._export_pipeline()
             self.log(f"step {self.step}: checkpoint -> {final}; pipeline -> {self.out_dir / 'pipeline'}")
@@ -525,7 +526,7 @@ class Trainer:
         if ranks and ranks != self.world:  # DeepSpeed's ZeRO state and the loader's position are per rank
             raise ConfigError(f"{folder} was written by {ranks} rank(s) but this run has {self.world}; resume "
                               f"with the same number (deepspeed --num_gpus {ranks}, or as many nodes x GPUs)")
-        data, now_data = saved.get("data"), self._data_identity()  # (checkpoints from before lack it)
+        data, now_data = saved.get("data"), data_identity(self.header)  # (checkpoints from before lack it)
         if data is not None and data != now_data:
             diff = {k: (data.get(k), now_data.get(k)) for k in sorted(set(data) | set(now_data))
                     if data.get(k) != now_data.get(k)}
@@ -537,11 +538,6 @@ class Trainer:
             raise ConfigError(f"{folder} was trained with train_micro_batch_size_per_gpu={micro} but this run has "
                               f"{ds['train_micro_batch_size_per_gpu']}; the data loader resumes mid-epoch by batch "
                               "count, so resume with the same micro-batch")
-
-    def _data_identity(self) -> dict:
-        """The shards' header as a resume compares it: where they lie (``source``) and the shard file names may
-        change, what they hold may not."""
-        return {k: v for k, v in self.header.items() if k not in ("source", "shards")}
 
     def _apply_config_rates(self) -> None:
         """A checkpoint brings back the optimizer's hyper-parameters, the schedule's base rate and the EMA rates
