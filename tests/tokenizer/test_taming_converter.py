@@ -72,6 +72,14 @@ def test_config_mismatch_is_an_error(tmp_path):
         convert_taming_checkpoint(ckpt, tmp_path / "vq", dict(SMALL, z_channels=64))
 
 
+def test_a_misspelt_config_key_is_an_error_not_a_default():
+    from vqlcmd.tokenizer.taming import read_taming_config
+
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['num_res_block'\]"):
+        read_taming_config(dict(SMALL, num_res_block=2))
+    assert read_taming_config(dict(SMALL, dropout=0.0, double_z=False))["num_res_blocks"] == 1
+
+
 def test_checkpoint_with_pickled_objects_is_refused_by_the_weights_only_load(tmp_path):
     path = tmp_path / "odd.ckpt"
     torch.save({"state_dict": {}, "callbacks": CallbackStandIn()}, path)

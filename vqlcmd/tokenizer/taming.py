@@ -31,7 +31,11 @@ def read_taming_config(config) -> dict:
 
         params = yaml.safe_load(Path(config).read_text())["model"]["params"]
         config = dict(params["ddconfig"], embed_dim=params["embed_dim"], n_embed=params["n_embed"])
-    cfg = dict(IMAGENET_F16_1024)
+    unknown = sorted(set(config) - set(IMAGENET_F16_1024) - {"double_z", "dropout"})  # ("dropout": unused here)
+    if unknown:  # a misspelt key would leave the ImageNet f16 default in its place, silently
+        raise ValueError(f"taming config: unknown key(s) {unknown} (known: {sorted(IMAGENET_F16_1024)}, double_z, "
+                         "dropout)")
+    cfg = dict(IMAGENET_F16_1024)  # keys not given: the ImageNet f16 VQGAN's
     cfg.update(config)
     if cfg.get("double_z"):
         raise ValueError("taming config has double_z=True: that is a KL autoencoder, not a VQGAN")
