@@ -386,3 +386,17 @@ def test_ctrl_c_under_the_cli_saves_and_exits_with_the_shells_code(tmp_path, tin
     assert "SIGINT: stopping at step" in out and "launch the same command again to resume" in out
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest.startswith("step_") and int(latest[5:]) > 0
+
+
+def test_the_launchers_sigterm_after_ctrl_c_is_not_a_second_ctrl_c(tmp_path, tiny_shards, trainer):
+    import os
+    import signal
+
+    tr = trainer(tmp_path, tiny_shards, steps=2)
+    with tr._stop_on_signals():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)  # as the deepspeed launcher forwards Ctrl-C
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert tr.signal_seen == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: stop now

@@ -340,9 +340,13 @@ class Trainer:
         # (None: a handler set outside Python, which could not be put back)
         previous = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
 
+        sigints = []
+
         def ask_to_stop(signum, frame):  # no I/O here: the loop says what happened
-            if signum == signal.SIGINT and self.signal_seen == signal.SIGINT:
-                raise KeyboardInterrupt
+            if signum == signal.SIGINT:
+                if sigints:  # Ctrl-C again, whatever came between
+                    raise KeyboardInterrupt
+                sigints.append(signum)
             self.signal_seen = self.signal_seen or signum
 
         @contextlib.contextmanager
