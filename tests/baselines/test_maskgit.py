@@ -18,8 +18,9 @@ def test_unmask_schedule_covers_every_token_once(mode, steps):
     assert sched.shape == (steps,) and int(sched.sum()) == 16 and int(sched.min()) >= 1
 
 
-def test_arccos_schedule_matches_besnier_and_chen():
-    # adap_sche(8, "arccos") with 64 tokens, worked out by hand from their formula:
+def test_arccos_schedule_follows_its_documented_grid():
+    # the documented formula with 64 tokens and 8 steps, worked out independently (the grid is
+    # linspace(1, 0, N+1)[1:], not Besnier & Chen's own linspace(1, 0, N): see unmask_schedule):
     # r = linspace(1, 0, 9)[1:], v = arccos(r)/(pi/2), round(v / sum(v) * 64), remainder to the last step
     r = torch.linspace(1, 0, 9, dtype=torch.float64)[1:]
     v = torch.arccos(r) / (math.pi / 2)

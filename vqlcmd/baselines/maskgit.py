@@ -66,10 +66,15 @@ def mask_ratio(r: torch.Tensor, schedule: str) -> torch.Tensor:
 def unmask_schedule(num_steps: int, seq_len: int, mode: str = "arccos") -> torch.Tensor:
     """Tokens to unmask at each of ``num_steps`` steps: (N,) int64, each >= 1, summing to ``seq_len``.
 
-    Besnier & Chen's ``adap_sche``: weights v_n = 1 − γ(r_n) at r_n = linspace(1, 0, N+1)[1:] (for
-    arccos: arccos(r)/(π/2)), scaled to sum to M, rounded, zeros raised to 1, the remainder added to
-    the last step. Their version can leave the last step at ≤ 0 when N is close to M; here the excess
-    is taken from the largest steps instead, so the counts always stay >= 1 and sum to M.
+    After Besnier & Chen's ``adap_sche``: weights v_n = 1 − γ(r_n) (for arccos: arccos(r)/(π/2)), scaled
+    to sum to M, rounded, zeros raised to 1, the remainder added to the last step. The grid is
+    r_n = linspace(1, 0, N+1)[1:], as in later versions derived from their code; their own uses
+    linspace(1, 0, N), whose r_0 = 1 decodes a single token first (N = 8: for M = 256 theirs gives 1, 18,
+    26, ... where this gives 15, 21, 26, ...; for M = 64, 1, 5, 6, ... against 4, 5, 7, ...).
+    ``docs/reproduce.md``'s MaskGIT rows were made with this grid. ``mode="cosine"`` weights the steps by
+    cos(πr/2) in the same way; it is not Chang et al.'s ⌈γ(n/N)·M⌉ rule. Their version can leave the last
+    step at ≤ 0 when N is close to M; here the excess is taken from the largest steps instead, so the
+    counts always stay >= 1 and sum to M.
     """
     if not 1 <= num_steps <= seq_len:
         raise ValueError(f"num_steps must be in [1, {seq_len}] for {seq_len} tokens, got {num_steps}")
