@@ -203,3 +203,11 @@ def test_a_retired_key_of_an_older_saved_config_is_ignored_with_a_warning():
     with pytest.raises(ConfigError, match=r"unknown key vqlcmd\.train\.num_workers"):
         parse_vqlcmd_section({"train": {"num_workers": 2}})
 
+
+
+def test_a_trainer_built_from_a_config_made_in_code_checks_the_deepspeed_keys_too(tmp_path, tiny_shards, make_config):
+    from vqlcmd.engine.trainer import Trainer
+
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards)))
+    with pytest.raises(ConfigError, match=r"the DeepSpeed config: zero_optimization\.stage=3 is not supported"):
+        Trainer({**ds, "zero_optimization": {"stage": 3}}, cfg, log=lambda *a, **k: None)

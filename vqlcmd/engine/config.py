@@ -266,7 +266,9 @@ _DEEPSPEED_KEYS = (
 )
 
 
-def check_deepspeed_section(ds: dict, path) -> None:
+def check_deepspeed_section(ds: dict, path, *, warn: bool = True) -> None:
+    """Refuses what DeepSpeed would ignore silently or fail on late; ``warn``: also warn of unknown keys (the
+    trainer checks again what ``load_config`` checked, for configs built in code, without warning twice)."""
     import difflib
 
     for key in ds:
@@ -276,8 +278,9 @@ def check_deepspeed_section(ds: dict, path) -> None:
         if near:
             raise ConfigError(f"{path}: unknown DeepSpeed key {key!r}; did you mean {near[0]!r}? (DeepSpeed would "
                               "ignore it without a word)")
-        warnings.warn(f"{path}: {key!r} is not a DeepSpeed key this engine knows; DeepSpeed ignores keys it does "
-                      "not read", stacklevel=2)
+        if warn:
+            warnings.warn(f"{path}: {key!r} is not a DeepSpeed key this engine knows; DeepSpeed ignores keys it "
+                          "does not read", stacklevel=2)
     for key in ("optimizer", "scheduler"):
         if key in ds:  # deepspeed.initialize takes the client optimizer and schedule over these, silently
             raise ConfigError(f"{path}: a DeepSpeed {key!r} section is not used: the engine builds AdamW and its "

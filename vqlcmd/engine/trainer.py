@@ -27,7 +27,7 @@ from ..network import VQLCMDNetwork
 from ..pipeline import VQLCMDPipeline
 from ..schedule import ShiftedCosineSchedule
 from . import checkpoint as ckpt
-from .config import ConfigError, VQLCMDConfig, repo_path
+from .config import ConfigError, VQLCMDConfig, check_deepspeed_section, repo_path
 from .data import resolve_shards
 from .distributed import (agree_on_setup, barrier, data_fingerprint, data_identity, exchanged, init_distributed,
                           mean_over_ranks)
@@ -100,6 +100,7 @@ class Trainer:
         from ..data.shards import TokenShardDataset
 
         self.cfg = cfg
+        check_deepspeed_section(ds_config, "the DeepSpeed config", warn=False)  # (ZeRO-3 too, when built in code)
         if cfg.data.dataset is None:  # path errors are reported before any process group is set up
             resolve_shards(cfg.data, rank=0)
         self.rank, self.world, self.local_rank, self.device = init_distributed()
