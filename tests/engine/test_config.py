@@ -211,3 +211,17 @@ def test_a_trainer_built_from_a_config_made_in_code_checks_the_deepspeed_keys_to
     ds, cfg = load_config(str(make_config(tmp_path, tiny_shards)))
     with pytest.raises(ConfigError, match=r"the DeepSpeed config: zero_optimization\.stage=3 is not supported"):
         Trainer({**ds, "zero_optimization": {"stage": 3}}, cfg, log=lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"embed_dim": "16x"}, r"vqlcmd\.model: overrides\.embed_dim must be an integer >= 1, got '16x'"),
+    ({"embed_dim": -4}, r"overrides\.embed_dim must be an integer >= 1, got -4"),
+    ({"nosuch": 3}, r"overrides\.nosuch is not a denoiser setting \(known: codebook_size, "),
+    ({"attn_dropout": "0.1"}, r"overrides\.attn_dropout must be a finite number >= 0"),
+])
+def test_model_overrides_are_checked_with_the_other_keys(overrides, match):
+    """They failed only once the model was built (after the digits tokenizer's minutes), in a traceback."""
+    with pytest.raises(ConfigError, match=match):
+        parse_vqlcmd_section({"model": {"preset": "tiny", "overrides": overrides}})
+    ok = parse_vqlcmd_section({"model": {"preset": "tiny", "overrides": {"depth": 1, "mlp_ratio": 2, "num_classes": 0}}})
+    assert ok.model.overrides == {"depth": 1, "mlp_ratio": 2, "num_classes": 0}

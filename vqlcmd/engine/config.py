@@ -42,6 +42,25 @@ class ModelSection:
     preset: str = "digits-1m"
     overrides: dict = field(default_factory=dict)  # any DenoiserConfig field, e.g. {"depth": 6}
 
+    def __post_init__(self):
+        # checked here, as every other key is: else a bad one failed only once the model was built (after the
+        # digits tokenizer's minutes), in a traceback that named no key
+        from ..model import DenoiserConfig
+
+        fields = {f.name: type(f.default) for f in dataclasses.fields(DenoiserConfig)}
+        for key, value in self.overrides.items():
+            kind = fields.get(key)
+            if kind is None:
+                raise ValueError(f"overrides.{key} is not a denoiser setting (known: {', '.join(fields)})")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            least = 0 if key == "num_classes" else 1
+            ok = {int: number and isinstance(value, int) and value >= least,
+                  float: number and math.isfinite(value) and value >= 0,
+                  bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
+            if not ok:
+                what = {int: f"an integer >= {least}", float: "a finite number >= 0"}.get(kind, f"a {kind.__name__}")
+                raise ValueError(f"overrides.{key} must be {what}, got {value!r}")
+
 
 @dataclass
 class DataSection:
