@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     if "--note" in shown:  # the note is prose for the page, not part of the command that makes the numbers
         i = shown.index("--note")
         del shown[i:i + 2]
-    command = " ".join(shown)
+    command = shlex.join(shown)  # pasted into a shell, it runs (a --machine with spaces needs its quotes)
     info = {"pipeline": str(folder), "per_class": args.per_class, "command": command, "note": args.note,
             "num_samples": args.per_class * pipe.network.config.num_classes,
             "model": f"preset {preset}, {n_params / 1e6:.2f}M denoiser parameters, trained {cfg.get('step', '?')} "

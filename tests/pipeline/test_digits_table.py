@@ -8,9 +8,14 @@ def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys, load_s
     mod = load_script("digits_table")
     out = tmp_path / "table.md"
     args = ["--pipeline", str(folder), "--out", str(out), "--steps", "1,2", "--samplers", "ddim",
-            "--guidance", "0,1", "--per-class", "4"]
+            "--guidance", "0,1", "--per-class", "4", "--machine", "2-core CPU (test), 2 threads"]
     assert mod.main(args) == 0
     text = out.read_text()
+    import re
+    import shlex
+
+    made_by = re.search(r"Made by `python scripts/digits_table\.py (.*?)`\.", text).group(1)
+    assert shlex.split(made_by) == args  # pasted into a shell, it runs (it lost the --machine quotes)
     rows = [line for line in text.splitlines() if line.startswith("| ddim")]
     assert len(rows) == 4 and "| ddim | 1 | 2 |" in text
     assert len((tmp_path / "digits_table.jsonl").read_text().splitlines()) == 4
