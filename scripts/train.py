@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     from vqlcmd.engine.trainer import Trainer, TrainingInterrupted
 
     try:
-        trainer = Trainer(ds_config, cfg)
+        trainer = Trainer(ds_config, cfg, progress=not args.no_progress)
         trainer.train(progress=not args.no_progress)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

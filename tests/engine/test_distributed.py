@@ -2,6 +2,7 @@
 non-finite term on one rank raises on both."""
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -116,3 +117,21 @@ def test_rank_0_failing_to_prepare_the_digits_stops_every_rank_once(tmp_path):
     out = mp.Manager().dict()
     mp.spawn(_prepare_worker, args=(str(tmp_path / "init"), out, str(tmp_path)), nprocs=2, join=True)
     assert out[0] == ("OSError", True) and out[1] == ("RankSetupError", True)
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_digits_preparation_shows_bars_only_when_asked(monkeypatch, progress):
+    """train.py --no-progress still drew the tokenizer's and the tokenizer run's bars (the quick start's log)."""
+    from vqlcmd.data import digits
+    from vqlcmd.engine.config import DataSection
+    from vqlcmd.engine.data import resolve_shards
+
+    seen = {}
+
+    def record(**kw):
+        seen.update(kw)
+        return {"shards": "s", "tokenizer": "t"}
+
+    monkeypatch.setattr(digits, "prepare_digits", record)
+    resolve_shards(DataSection(dataset="digits"), 0, log=lambda *a, **k: None, progress=progress)
+    assert seen["progress"] is progress

@@ -8,9 +8,9 @@ from .config import ConfigError, DataSection, repo_path
 from .distributed import agree_on_setup
 
 
-def resolve_shards(data: DataSection, rank: int, log=print) -> tuple[Path, Optional[Path]]:
+def resolve_shards(data: DataSection, rank: int, log=print, progress: bool = True) -> tuple[Path, Optional[Path]]:
     """(shard folder, tokenizer folder or None). For ``dataset: "digits"`` rank 0 prepares (or reuses) the
-    cached tokenizer and shards while the other ranks wait."""
+    cached tokenizer and shards while the other ranks wait; ``progress``: its bars."""
     if data.dataset is not None:
         if data.dataset != "digits":
             raise ConfigError(f"vqlcmd.data.dataset must be 'digits' (the embedded data set), got {data.dataset!r}; "
@@ -21,7 +21,7 @@ def resolve_shards(data: DataSection, rank: int, log=print) -> tuple[Path, Optio
         info, error = None, None
         if rank == 0:
             try:
-                info = prepare_digits(steps=steps, log=log, progress=True)
+                info = prepare_digits(steps=steps, log=log, progress=progress)
             except Exception as exc:  # handed to every rank below: the others wait there, and would wait on
                 error = exc
         agree_on_setup(error, None)  # the others wait here while rank 0 prepares; its failure stops them all

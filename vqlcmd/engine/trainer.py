@@ -93,7 +93,8 @@ def _setup(key: str, section):
 
 
 class Trainer:
-    def __init__(self, ds_config: dict, cfg: VQLCMDConfig, *, log=print):
+    def __init__(self, ds_config: dict, cfg: VQLCMDConfig, *, log=print, progress: bool = True):
+        """``progress``: the bars of the digits data set's first preparation (``train`` takes its own)."""
         import deepspeed
 
         from ..data.loader import ShardLoader
@@ -115,7 +116,7 @@ class Trainer:
         # would wait for it in DeepSpeed's set-up) and refuses ranks that opened different data.
         error = fingerprint = None
         try:
-            shard_dir, tok_dir = resolve_shards(cfg.data, self.rank, log=self.log)
+            shard_dir, tok_dir = resolve_shards(cfg.data, self.rank, log=self.log, progress=progress)
             # One full check (CRC, id ranges: a read of every shard) per node is enough: the ranks of a node
             # read the same files, and a failure on one rank stops all of them at agree_on_setup below.
             self.dataset = TokenShardDataset(shard_dir, verify=self.local_rank == 0)
