@@ -5,6 +5,7 @@ and the diffusion math (``vqlcmd.diffusion``) know nothing of them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -40,14 +41,17 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+def _signal_name(signum: Optional[int]) -> str:
+    return signal.Signals(signum).name if signum else "another rank's signal"  # None: learnt from another rank
+
+
 class TrainingInterrupted(RuntimeError):
     """SIGINT or SIGTERM (Ctrl-C, a preempted job) stopped the run at a step boundary, after a checkpoint."""
 
     def __init__(self, signum: Optional[int], step: int, where: Path):
         self.signum = signum  # None on a rank that learnt of another rank's signal
-        name = signal.Signals(signum).name if signum else "another rank's signal"
-        super().__init__(f"stopped by {name} after step {step}; checkpoint {where}: launch the same command again "
-                         "to resume")
+        super().__init__(f"stopped by {_signal_name(signum)} after step {step}; checkpoint {where}: launch the same "
+                         "command again to resume")
 
 
 class LossModule(nn.Module):
@@ -272,17 +276,19 @@ class Trainer:
     def _logs_own_grad_norm(self) -> bool:
         """Whether this step's grad norm is logged here and DeepSpeed keeps none (a plain client optimizer: ZeRO 0
         in fp32)."""
-        cfg = self.cfg.train
-        logged = (self.step + 1) % cfg.log_every == 0 or self.step + 1 == cfg.steps
-        return self.tb is not None and logged and not hasattr(self.engine.optimizer, "_global_grad_norm")
+        return (self.tb is not None and self._logs_at(self.step + 1)
+                and not hasattr(self.engine.optimizer, "_global_grad_norm"))
+
+    def _logs_at(self, step: int) -> bool:
+        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
 
     def _read_terms(self, out: dict) -> dict:
         """The scalar loss terms as floats, averaged over ranks (as the gradients are: rank 0's alone were logged
         before), or NonFiniteLossError (on every rank alike) if one is not finite on any rank.
 
         One collective and one read-back from the device per micro-step: the terms, the non-finite flag and
-        the stop flag travel together (the flag's mean is > 0 if any rank set it). Checking and reading each term on its
-        own stalled the host once per term, twice."""
+        the stop flag travel together (a flag's mean is > 0 if any rank set it). Checking and reading each
+        term on its own stalled the host once per term, twice."""
         names = list(out)
         values = torch.stack([out[k].detach().float().reshape(()) for k in names])
         # the stop flag rides along: every rank learns at the same micro-step that one of them got a signal
@@ -317,9 +323,8 @@ class Trainer:
             self._train_loop(stop, batches, bar, history)
             bar.close()
             if self.stop_agreed:
-                name = signal.Signals(self.signal_seen).name if self.signal_seen else "another rank's signal"
-                self.log(f"{name}: stopping at step {self.step}, saving a checkpoint first (Ctrl-C again: stop now, "
-                         "without it)")
+                self.log(f"{_signal_name(self.signal_seen)}: stopping at step {self.step}, saving a checkpoint first "
+                         "(Ctrl-C again: stop now, without it)")
             # a finished run launched again trains nothing: its checkpoint stands (saving the same step again
             # would only replace it, and risk it); the pipeline is exported again, in case a crash came between
             if self.step != start or ckpt.latest_tag(self.ckpt_dir) != ckpt.tag_for(self.step):
@@ -335,8 +340,6 @@ class Trainer:
         run saves a checkpoint, instead of losing the work since the last one (a preempted job gets SIGTERM; under
         the deepspeed launcher Ctrl-C reaches each rank as SIGINT and then as the launcher's SIGTERM, and SLURM
         may send several). A second SIGINT (Ctrl-C again) stops at once, as before."""
-        import contextlib
-
         if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
             return contextlib.nullcontext()
         # (None: a handler set outside Python, which could not be put back)
@@ -374,7 +377,7 @@ class Trainer:
             history.append({"step": self.step, **terms})
             bar.update(1)
             bar.set_postfix({k: f"{v:.3g}" for k, v in terms.items()})
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            if self._logs_at(self.step):
                 rate = (self.step - step_last) * self.micro * self.gas * self.world / max(train_seconds, 1e-9)
                 train_seconds, step_last = 0.0, self.step
                 self._log_scalars(terms, rate)
