@@ -52,10 +52,9 @@ class ModelSection:
             kind = fields.get(key)
             if kind is None:
                 raise ValueError(f"overrides.{key} is not a denoiser setting (known: {', '.join(fields)})")
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
             least = 0 if key == "num_classes" else 1
-            ok = {int: number and isinstance(value, int) and value >= least,
-                  float: number and math.isfinite(value) and value >= 0,
+            ok = {int: isinstance(value, int) and not isinstance(value, bool) and value >= least,
+                  float: _finite_number(value) and value >= 0,
                   bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
             if not ok:
                 what = {int: f"an integer >= {least}", float: "a finite number >= 0"}.get(kind, f"a {kind.__name__}")
