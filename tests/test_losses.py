@@ -219,3 +219,33 @@ def test_training_lowers_loss_on_structured_tokens():
         history.append(out["l0"].item() + cfg.beta_dm * out["l_dm"].item())
     first, last = sum(history[:20]) / 20, sum(history[-20:]) / 20
     assert last < 0.5 * first, (first, last)
+
+
+@pytest.mark.parametrize("student_dtype", [torch.bfloat16, torch.float32])
+def test_teacher_multiplies_in_the_students_precision(student_dtype):
+    """Under bf16 training (DeepSpeed casts the student) the fp32 EMA teacher runs its matmuls in bf16
+    under autocast, keeping fp32 weights; an fp32 run keeps an fp32 teacher. Its logits stay within
+    bf16 rounding of the fp32 teacher's."""
+    net, teacher, x, y = _setup()
+    net = net.to(student_dtype)
+    seen = []
+    hook = teacher.denoiser.head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    cfg = LossConfig(drop_strategy="none", label_drop=0.0)
+    with torch.no_grad():
+        out = training_losses(net, teacher, ShiftedCosineSchedule(), x, y, cfg, generator=torch.Generator().manual_seed(1))
+    hook.remove()
+    assert seen == [student_dtype]
+    assert all(p.dtype == torch.float32 for p in teacher.parameters())
+    assert torch.isfinite(out["l_cm"])
+    if student_dtype == torch.bfloat16:  # the same step with the teacher left in fp32
+        from vqlcmd.diffusion import losses
+        real = losses._teacher_autocast
+        losses._teacher_autocast = lambda *a: torch.autocast("cpu", enabled=False)
+        try:
+            with torch.no_grad():
+                ref = training_losses(net, teacher, ShiftedCosineSchedule(), x, y, cfg,
+                                      generator=torch.Generator().manual_seed(1))
+        finally:
+            losses._teacher_autocast = real
+        assert torch.allclose(out["l_cm"], ref["l_cm"], rtol=0.05), (out["l_cm"], ref["l_cm"])
+
