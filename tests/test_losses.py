@@ -249,3 +249,14 @@ def test_teacher_multiplies_in_the_students_precision(student_dtype):
             losses._teacher_autocast = real
         assert torch.allclose(out["l_cm"], ref["l_cm"], rtol=0.05), (out["l_cm"], ref["l_cm"])
 
+
+def test_ema_keeps_its_own_float32_positions_under_a_bf16_source():
+    """The denoiser's positions are a non-persistent buffer the model rebuilds; copying a bf16 student's
+    rounded them in the fp32 teacher and sampling EMA."""
+    net = VQLCMDNetwork(preset_config("tiny"))
+    ema = EMA(net, 0.5)
+    exact = ema.module.denoiser.pos.clone()
+    net = net.bfloat16()
+    assert not torch.equal(net.denoiser.pos.float(), exact)  # bf16 rounding is visible
+    ema.update(net)
+    assert ema.module.denoiser.pos.dtype == torch.float32 and torch.equal(ema.module.denoiser.pos, exact)

@@ -29,8 +29,12 @@ class EMA:
             raise ValueError("EMA source has a different parameter list than its shadow")
         params = [p if p.dtype == torch.float32 else p.float() for p in params]
         torch._foreach_lerp_(shadow, params, 1.0 - self.decay)
-        for b_shadow, b in zip(self.module.buffers(), source.buffers()):
-            b_shadow.copy_(b)
+        # persistent buffers only: the non-persistent ones are fixed tables the model rebuilds (the
+        # denoiser's positions), and the bf16 source's copies would round the shadow's fp32 ones
+        shadow_buffers = dict(self.module.named_buffers())
+        for name, b in source.named_buffers():
+            if name in shadow_buffers and _is_persistent(source, name):
+                shadow_buffers[name].copy_(b)
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "module": self.module.state_dict()}
@@ -38,3 +42,8 @@ class EMA:
     def load_state_dict(self, state: dict) -> None:
         self.decay = float(state["decay"])
         self.module.load_state_dict(state["module"])
+
+
+def _is_persistent(module: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    return leaf not in module.get_submodule(owner)._non_persistent_buffers_set
