@@ -66,11 +66,12 @@ VQLCMD_HD RowNorm row_norm(OnlineLSE s) { return RowNorm{s.max, logf(s.sum)}; }
 VQLCMD_HD float log_softmax_at(float x, RowNorm n) { return (x - n.max) - n.log_sum; }
 
 // One KL term p_k (log p_k - log q_k); p_k = 0 contributes 0 (0 log 0 = 0), also
-// when the student's log q_k is -inf there.
+// when the student's log q_k is -inf there. Tested as p == 0, not p > 0: a NaN p
+// (a NaN or +inf teacher logit) must make the KL NaN, not drop out of the sum.
 VQLCMD_HD float kl_term(float teacher, float student, RowNorm nt, RowNorm ns) {
   const float log_p = log_softmax_at(teacher, nt);
   const float p = expf(log_p);
-  return p > 0.0f ? p * (log_p - log_softmax_at(student, ns)) : 0.0f;
+  return p == 0.0f ? 0.0f : p * (log_p - log_softmax_at(student, ns));
 }
 
 // d KL / d student_k = q_k - p_k (the softmax cross-entropy gradient, because the
@@ -97,7 +98,7 @@ VQLCMD_HD KlSums kl_sums_empty() { return KlSums{0.0f, 0.0f, 0.0f}; }
 VQLCMD_HD void kl_sums_add(KlSums& a, float t_shift, float s_shift, float e_t, float e_s) {
   a.sum_t += e_t;
   a.sum_s += e_s;
-  a.weighted += e_t > 0.0f ? e_t * (t_shift - s_shift) : 0.0f;  // p_k = 0 contributes 0, as in kl_term
+  a.weighted += e_t == 0.0f ? 0.0f : e_t * (t_shift - s_shift);  // p_k = 0 contributes 0, as in kl_term
 }
 
 VQLCMD_HD float kl_from_sums(KlSums a, float max_t) {

@@ -53,7 +53,7 @@ float row_kl(const float* t, const float* s, int64_t K, float* grad, float scale
     const Vec log_p = (Vec::loadu(t + k) - tmax) - tlog;  // log_softmax_at
     const Vec log_q = (Vec::loadu(s + k) - smax) - slog;
     const Vec p = log_p.exp_u20();
-    acc = acc + Vec::blendv(zero, p * (log_p - log_q), p > zero);  // 0 log 0 = 0
+    acc = acc + Vec::blendv(p * (log_p - log_q), zero, p == zero);  // 0 log 0 = 0; a NaN p stays NaN
     if (grad != nullptr) (vscale * (log_q.exp_u20() - p)).store(grad + k);
   }
   float kl = cpu::reduce_sum(acc);

@@ -139,6 +139,17 @@ def test_categorical_kl_infinite_logits(K, gen):
     torch.testing.assert_close(grad, s.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("K", [4, 19, 1000])
+@pytest.mark.parametrize("backend", ["reference", "compiled"])
+def test_categorical_kl_of_a_nan_or_inf_teacher_is_nan(K, backend, gen):
+    """A NaN or +inf teacher logit makes p NaN; both backends dropped such terms as if p were 0, and a row
+    scored KL 0 (finite) while its gradient was NaN, which the engine's non-finite check did not see."""
+    teacher, student = torch.randn(3, K, generator=gen), torch.randn(3, K, generator=gen)
+    teacher[0, K // 2], teacher[1, 0] = float("nan"), float("inf")
+    kl = ops.categorical_kl(teacher, student, backend=backend)
+    assert kl[:2].isnan().all() and torch.isfinite(kl[2])
+
+
 def test_categorical_kl_of_zero_classes_is_zero():
     # K = 0 rows are empty sums; the kernels left their output uninitialised
     for shape in ((4, 0), (3, 100, 0)):

@@ -5,6 +5,7 @@ functions in ``vqlcmd.ops`` before any backend runs.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -71,8 +72,11 @@ def categorical_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -
     log_p = torch.log_softmax(teacher_logits.detach().to(dt), dim=-1)  # teacher: fixed target
     log_q = torch.log_softmax(student_logits.to(dt), dim=-1)
     p = log_p.exp()
-    # p = 0 rows contribute 0 (0 log 0 = 0), also where log_p = -inf.
-    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+    # p = 0 terms contribute 0 (0 log 0 = 0), also where log_q = -inf, and a -inf teacher logit is such a
+    # term even in a row of -inf (whose log_softmax is NaN); any other NaN p (a NaN or +inf teacher logit)
+    # keeps the row's KL NaN, so the engine's non-finite check sees it
+    zero = (p == 0) | (teacher_logits.detach() == -math.inf)
+    return torch.where(zero, torch.zeros_like(p), p * (log_p - log_q)).sum(-1)
 
 
 def noise_embeddings(
