@@ -218,6 +218,9 @@ def test_a_trainer_built_from_a_config_made_in_code_checks_the_deepspeed_keys_to
     ({"embed_dim": -4}, r"overrides\.embed_dim must be an integer >= 1, got -4"),
     ({"nosuch": 3}, r"overrides\.nosuch is not a denoiser setting \(known: codebook_size, "),
     ({"attn_dropout": "0.1"}, r"overrides\.attn_dropout must be a finite number >= 0"),
+    # values of the right type that the denoiser cannot run: they failed in the first training step
+    ({"width": 130, "heads": 4}, r"vqlcmd\.model: preset 'tiny' with overrides .*width 130 must be divisible by heads 4"),
+    ({"attention_backend": "flash"}, r"attention_backend must be one of"),
 ])
 def test_model_overrides_are_checked_with_the_other_keys(overrides, match):
     """They failed only once the model was built (after the digits tokenizer's minutes), in a traceback."""
@@ -225,3 +228,8 @@ def test_model_overrides_are_checked_with_the_other_keys(overrides, match):
         parse_vqlcmd_section({"model": {"preset": "tiny", "overrides": overrides}})
     ok = parse_vqlcmd_section({"model": {"preset": "tiny", "overrides": {"depth": 1, "mlp_ratio": 2, "num_classes": 0}}})
     assert ok.model.overrides == {"depth": 1, "mlp_ratio": 2, "num_classes": 0}
+
+
+def test_unknown_preset_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"vqlcmd\.model: preset: unknown denoiser preset 'nope'"):
+        parse_vqlcmd_section({"model": {"preset": "nope"}})

@@ -141,7 +141,8 @@ class _SaysCuda(torch.Tensor):
 
 
 @pytest.mark.parametrize("capability, head_dim, expected", [((9, 0), 64, "flash2"), ((9, 0), 512, "sdpa"),
-                                                           ((8, 6), 128, "flash2"), ((7, 5), 64, "sdpa")])
+                                                           ((8, 6), 128, "flash2"), ((7, 5), 64, "sdpa"),
+                                                           ((9, 0), 20, "flash2")])
 def test_auto_attention_takes_flash_only_where_it_runs(monkeypatch, capability, head_dim, expected):
     # FlashAttention refuses GPUs before Ampere and head dims over 256: auto sent them there and crashed
     import importlib
@@ -153,4 +154,37 @@ def test_auto_attention_takes_flash_only_where_it_runs(monkeypatch, capability, 
     q = torch.randn(1, 2, 8, head_dim).to(torch.float16).as_subclass(_SaysCuda)
     assert attn.attention_backend_for(q, 0.0) == expected
     monkeypatch.setattr(attn, "_fa3_func", lambda *a, **k: None)
-    assert attn.attention_backend_for(q, 0.0) == ("flash3" if capability[0] == 9 and head_dim <= 256 else expected)
+    # FA3 also refuses head dims that are not a multiple of 8, which FA2 pads
+    fa3 = capability[0] == 9 and head_dim <= 256 and head_dim % 8 == 0
+    assert attn.attention_backend_for(q, 0.0) == ("flash3" if fa3 else expected)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"width": 129, "heads": 3}, "width must be even"), ({"width": 130, "heads": 4}, "divisible by heads"),
+    ({"time_features": 255}, "time_features must be even"), ({"attn_dropout": 1.0}, r"attn_dropout must be in \[0, 1\)"),
+    ({"attention_backend": "flash"}, "attention_backend must be one of"), ({"norm_impl": "fused"}, "norm_impl must be")])
+def test_config_refuses_sizes_the_forward_cannot_run(override, message):
+    """Each of these built a model that failed in its first forward, with a shape error naming no setting."""
+    with pytest.raises(ValueError, match=message):
+        preset_config("tiny", **override)
+
+
+def test_labels_are_checked_by_shape_and_refused_by_an_unconditional_model(gen):
+    den = build_denoiser("tiny").eval()
+    z, t = torch.randn(2, 16, 8, generator=gen), torch.rand(2, generator=gen)
+    with pytest.raises(ValueError, match=r"y must be \(B,\) = \(2,\), got \(1,\)"):
+        den(z, t, torch.tensor([1]))  # was broadcast to the whole batch
+    with pytest.raises(IndexError, match="class labels must be in"):
+        den(z, t, torch.tensor([0, 5]))
+    assert den(z[:0], t[:0], torch.zeros(0, dtype=torch.long)).shape == (0, 16, 16)
+    with pytest.raises(ValueError, match="unconditional"):
+        build_denoiser("tiny", num_classes=0)(z, t, torch.tensor([1, 2]))  # was ignored
+
+
+def test_conditional_forward_traces_as_one_graph(gen):
+    """The label range check is a host sync; while compiling it is left to where labels come in, so
+    torch.compile traces a conditional forward without a graph break."""
+    den = build_denoiser("tiny").eval()
+    z, t, y = torch.randn(2, 16, 8, generator=gen), torch.rand(2, generator=gen), torch.tensor([0, 3])
+    explained = torch._dynamo.explain(den)(z, t, y)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons

@@ -59,6 +59,14 @@ class ModelSection:
             if not ok:
                 what = {int: f"an integer >= {least}", float: "a finite number >= 0"}.get(kind, f"a {kind.__name__}")
                 raise ValueError(f"overrides.{key} must be {what}, got {value!r}")
+        from ..model import preset_config
+
+        try:  # the preset with these overrides: the denoiser config's own checks (width vs heads, ...)
+            preset_config(self.preset, **self.overrides)
+        except KeyError as exc:
+            raise ValueError(f"preset: {exc.args[0]}") from None
+        except ValueError as exc:
+            raise ValueError(f"preset {self.preset!r} with overrides {self.overrides}: {exc}") from None
 
 
 @dataclass

@@ -37,7 +37,8 @@ def attention_backend_for(q: torch.Tensor, dropout_p: float) -> str:
     Ampere on: on older GPUs (V100, T4) both refuse, so ``auto`` takes SDPA there."""
     if _flash_ok(q):
         major = torch.cuda.get_device_capability(q.device)[0]
-        if _fa3_func is not None and dropout_p == 0.0 and major == 9:  # FA3 has no dropout
+        # FA3 has no dropout, and refuses head dims that are not a multiple of 8 (FA2 pads them)
+        if _fa3_func is not None and dropout_p == 0.0 and major == 9 and q.shape[-1] % 8 == 0:
             return "flash3"
         if _fa2_func is not None and major >= 8:
             return "flash2"

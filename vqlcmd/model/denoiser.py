@@ -18,9 +18,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
-from .attention import attention
+from .attention import ATTENTION_BACKENDS, attention
 
 ACTIVATIONS = ("gelu_tanh", "gelu")
+
+
+NORM_IMPLS = ("torch", "apex")
 
 
 @dataclass
@@ -47,8 +50,21 @@ class DenoiserConfig:
     activation: str = "gelu_tanh"
 
     def __post_init__(self):
+        # checked here, not in the first forward: a training run builds the model only after preparing its
+        # data, and a shape mismatch there names no setting
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.norm_impl not in NORM_IMPLS:
+            raise ValueError(f"norm_impl must be one of {NORM_IMPLS}, got {self.norm_impl!r}")
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} must be divisible by heads {self.heads}")
+        for name in ("width", "time_features"):  # sinusoidal features come in cos/sin pairs
+            if getattr(self, name) % 2:
+                raise ValueError(f"{name} must be even, got {getattr(self, name)}")
+        if not 0.0 <= self.attn_dropout < 1.0:
+            raise ValueError(f"attn_dropout must be in [0, 1), got {self.attn_dropout}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,8 +152,6 @@ class Denoiser(nn.Module):
 
     def __init__(self, cfg: DenoiserConfig):
         super().__init__()
-        if cfg.width % cfg.heads:
-            raise ValueError(f"width {cfg.width} must be divisible by heads {cfg.heads}")
         self.cfg = cfg
         w = cfg.width
         self.in_proj = nn.Linear(cfg.embed_dim, w)
@@ -170,8 +184,15 @@ class Denoiser(nn.Module):
             )
         if t.shape != (B,):
             raise ValueError(f"t must be (B,) = ({B},), got {tuple(t.shape)}")
-        if y is not None and self.class_emb is not None and (y.min() < 0 or y.max() > self.null_class):
-            raise IndexError(f"class labels must be in [0, {self.null_class}] ({self.null_class} = null)")
+        if y is not None:
+            if self.class_emb is None:
+                raise ValueError("this denoiser is unconditional (num_classes = 0) but was given class labels y")
+            if y.shape != (B,):
+                raise ValueError(f"y must be (B,) = ({B},), got {tuple(y.shape)}")
+            # a host sync and a graph break, so not while compiling: the engine and the pipeline check the
+            # labels where they come in (shard headers, the sampler's class_labels)
+            if B and not torch.compiler.is_compiling() and (y.min() < 0 or y.max() > self.null_class):
+                raise IndexError(f"class labels must be in [0, {self.null_class}] ({self.null_class} = null)")
         cond = self.condition(t, y).to(z.dtype)  # (B, W)
         h = self.in_proj(z) + self.pos[:M].to(z.dtype)  # (B, M, W)
         for block in self.blocks:
