@@ -90,9 +90,11 @@ def _setup(key: str, section):
     its denoiser config (so ``{"depth": 2}`` on a depth-2 preset is no change), others as they are."""
     if key == "model":
         try:
-            return preset_config(section["preset"], **section["overrides"])
-        except (KeyError, TypeError):  # a preset or field this version no longer has: compare the text
+            cfg = preset_config(section["preset"], **section["overrides"])
+        except (KeyError, TypeError, ValueError):  # a preset or field this version no longer has: compare the text
             return section
+        # how attention and the norms are computed changes neither the weights nor the function
+        return replace(cfg, attention_backend="auto", norm_impl="torch")
     return section
 
 
@@ -204,9 +206,12 @@ class Trainer:
         self.step = 0
         self.step_lr, self.own_grad_norm = 0.0, None
         self.signal_seen, self.stop_agreed = None, False  # a SIGINT / SIGTERM on this rank; on any rank
-        attn = attention_backend_for(torch.empty(1, 1, 1, 8, device=self.device,
-                                                 dtype=torch.bfloat16 if self.bf16 else torch.float32),
-                                     den_cfg.attn_dropout)
+        attn = den_cfg.attention_backend
+        if attn == "auto":  # what auto takes for this model's attention: (1, heads, M, head dim)
+            attn = attention_backend_for(torch.empty(1, den_cfg.heads, den_cfg.seq_len, den_cfg.width // den_cfg.heads,
+                                                     device=self.device,
+                                                     dtype=torch.bfloat16 if self.bf16 else torch.float32),
+                                         den_cfg.attn_dropout)
         self.log(f"vqlcmd: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters, preset "
                  f"{cfg.model.preset}, method {cfg.method}, K={den_cfg.codebook_size} M={den_cfg.seq_len} "
                  f"D={den_cfg.embed_dim}, "
