@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .model import DenoiserConfig
@@ -22,6 +24,7 @@ from .samplers import Generators, sample_tokens
 from .schedule import ShiftedCosineSchedule
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+SAVE_ID = "save_id"  # in config.json and the weights' metadata: one save wrote both
 FAST_MODES = ("compile", "cudagraphs")
 
 
@@ -52,8 +55,12 @@ class VQLCMDPipeline:
             "sample": self.sample_defaults,
             **self.extra_config,
         }
-        # Write both files under temporary names first: a reader never sees half a pipeline.
-        save_file(state, str(folder / (WEIGHTS + ".tmp")))
+        # Both files are written under temporary names and renamed in, so neither is ever half written. The
+        # two renames are not one step: both carry the same save id, and a reader that meets the new weights
+        # with the old config (the trainer re-exports with every checkpoint) is told, not given a mix.
+        save_id = uuid.uuid4().hex
+        config[SAVE_ID] = save_id
+        save_file(state, str(folder / (WEIGHTS + ".tmp")), metadata={SAVE_ID: save_id})
         (folder / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2, default=str))
         os.replace(folder / (WEIGHTS + ".tmp"), folder / WEIGHTS)
         os.replace(folder / (CONFIG + ".tmp"), folder / CONFIG)
@@ -69,7 +76,8 @@ class VQLCMDPipeline:
         try:
             config = json.loads((folder / CONFIG).read_text())
             den_cfg = DenoiserConfig(**config["denoiser"])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            l2_normalize = bool((config.get("embedding") or {}).get("l2_normalize", False))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # (JSONDecodeError is a ValueError)
             raise ValueError(f"{folder / CONFIG}: not a VQ-LCMD pipeline config ({type(exc).__name__}: {exc})") from exc
         # the folder says which sampler its model was trained for: a MaskGIT model (trained on [mask] ids at
         # t = 0) gives noise through the diffusion samplers, and a diffusion model cannot unmask
@@ -80,12 +88,17 @@ class VQLCMDPipeline:
         elif issubclass(cls, MaskGITPipeline):
             raise ValueError(f"{folder}: a {config.get('method', 'vqlcmd')} pipeline, not a MaskGIT one; load it "
                              "with VQLCMDPipeline.from_pretrained")
-        network = VQLCMDNetwork(den_cfg, l2_normalize=config.get("embedding", {}).get("l2_normalize", False))
+        network = VQLCMDNetwork(den_cfg, l2_normalize=l2_normalize)
         try:
             state = load_file(str(folder / WEIGHTS))
+            with safe_open(str(folder / WEIGHTS), framework="pt") as f:
+                weights_id = (f.metadata() or {}).get(SAVE_ID)
         except Exception as exc:  # safetensors' errors name neither the file nor what to do
             raise ValueError(f"{folder / WEIGHTS}: unreadable weights, truncated or corrupt ({exc}); export the "
                              "pipeline again (scripts/train.py writes one with every checkpoint)") from exc
+        if weights_id and config.get(SAVE_ID) and weights_id != config[SAVE_ID]:  # (folders from before lack ids)
+            raise ValueError(f"{folder}: {WEIGHTS} and {CONFIG} come from different saves (save ids {weights_id} and "
+                             f"{config[SAVE_ID]}): the folder was being rewritten while it was read; load it again")
         try:
             missing, unexpected = network.load_state_dict(state, strict=False)
         except RuntimeError as exc:  # a tensor of another shape than the config gives (e.g. embed_dim)
@@ -96,14 +109,14 @@ class VQLCMDPipeline:
         network = network.to(device=device, dtype=dtype)
         try:
             sched = ShiftedCosineSchedule(**config["schedule"])
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{folder / CONFIG}: no usable schedule section ({type(exc).__name__}: {exc})") from exc
         tok_ref = config.get("tokenizer") or {}
         tokenizer = None
         if load_tokenizer and tok_ref.get("path"):
             tokenizer = _load_tokenizer(folder, tok_ref, device)
         extra = {k: v for k, v in config.items()
-                 if k not in ("denoiser", "embedding", "schedule", "tokenizer", "class_names", "sample")}
+                 if k not in ("denoiser", "embedding", "schedule", "tokenizer", "class_names", "sample", SAVE_ID)}
         return cls(network, sched, tokenizer=tokenizer, tokenizer_ref=tok_ref, class_names=config.get("class_names"),
                    sample_defaults=config.get("sample"), extra_config=extra)
 
@@ -254,7 +267,7 @@ class VQLCMDPipeline:
 
     def _autocast(self):
         dtype = self.network.embedding.weight.dtype
-        if dtype == torch.float32:
+        if dtype not in (torch.bfloat16, torch.float16):  # fp32, or fp64 which autocast refuses with a warning
             return contextlib.nullcontext()
         # weights stored in half precision: matmuls run in that dtype, norms and the sampler's math in fp32
         return torch.autocast(self.device.type, dtype=dtype)

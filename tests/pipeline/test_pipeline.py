@@ -123,7 +123,12 @@ def test_errors_name_the_problem(tiny_pipeline, tmp_path):
     for change, said in ((lambda c: c.pop("schedule"), "no usable schedule section"),
                          (lambda c: c["schedule"].update(warp=2), "no usable schedule section"),
                          (lambda c: c["denoiser"].update(embed_dim=c["denoiser"]["embed_dim"] + 1),
-                          "weights do not fit the config's sizes")):
+                          "weights do not fit the config's sizes"),
+                         # these raised a bare AttributeError / ValueError that named no file
+                         (lambda c: c.update(embedding="l2"), r"config\.json: not a VQ-LCMD pipeline config"),
+                         (lambda c: c["schedule"].update(shift="abc"), "no usable schedule section"),
+                         (lambda c: c["denoiser"].update(attn_dropout=2.0),
+                          r"config\.json: not a VQ-LCMD pipeline config \(ValueError: attn_dropout")):
         bad = json.loads(json.dumps(good))
         change(bad)
         (folder / "config.json").write_text(json.dumps(bad))
@@ -207,3 +212,27 @@ def test_an_unconditional_model_ignores_the_exported_guidance_default():
     assert pipe(num_images=3, output_type="tokens", generator=G()).shape == (3, 4, 4)
     with pytest.raises(ValueError, match="guidance needs a class-conditional model; this one is unconditional"):
         pipe(num_images=3, guidance_scale=1.0, output_type="tokens")
+
+
+def test_weights_and_config_of_different_saves_are_refused(tiny_pipeline, tmp_path):
+    """save_pretrained renames the weights in, then the config: a reader between the two renames (the
+    trainer re-exports with every checkpoint) met new weights with the old config, loaded silently when the
+    sizes matched. Both files carry one save id now."""
+    folder = tiny_pipeline.save_pretrained(tmp_path / "p")
+    old_config = (folder / "config.json").read_text()
+    tiny_pipeline.save_pretrained(folder)  # the same sizes: nothing else would tell the two saves apart
+    (folder / "config.json").write_text(old_config)  # as a reader between the two renames sees the folder
+    with pytest.raises(ValueError, match="come from different saves"):
+        VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
+    tiny_pipeline.save_pretrained(folder)
+    pipe = VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
+    assert "save_id" not in pipe.extra_config  # a fresh id per save, not carried over as extra config
+
+
+def test_float64_weights_sample_without_autocast(tiny_pipeline, tmp_path):
+    import warnings
+
+    pipe = VQLCMDPipeline.from_pretrained(tiny_pipeline.save_pretrained(tmp_path / "p"), dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # CPU autocast warned on every call that it does not take fp64
+        assert pipe([0, 1], num_steps=2, output_type="tokens").shape == (2, 4, 4)
