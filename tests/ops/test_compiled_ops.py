@@ -5,6 +5,8 @@ upstream gradients that are not all ones; plus opcheck, torch.compile and the
 Philox noise stream. GPU checks are in test_compiled_gpu.py.
 """
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -717,6 +719,10 @@ def test_short_attention_opcheck_and_compile(gen):
                                                        ("8.0", (8, 6), True), ("8.0", (9, 0), False),
                                                        ("8.0+PTX", (9, 0), True), ("8.0;9.0", (10, 0), False),
                                                        ("9.0a", (9, 0), True), ("8.0 9.0", (9, 0), True),
+                                                       # CMake's form (CMakeLists.txt records it): it was trusted
+                                                       ("90", (8, 0), False), ("90", (9, 0), True),
+                                                       ("90", (10, 0), True), ("90-real", (10, 0), False),
+                                                       ("90a", (10, 0), False), ("80-real;90-virtual", (8, 6), True),
                                                        # names and suffixes it cannot read: the build is trusted
                                                        ("8.0;Hopper", (9, 0), True), ("10.0f", (9, 0), True)])
 def test_compiled_cuda_kernels_are_claimed_only_for_gpus_they_were_built_for(monkeypatch, archs, capability, serves):
@@ -730,3 +736,22 @@ def test_compiled_cuda_kernels_are_claimed_only_for_gpus_they_were_built_for(mon
     assert (why is None) is serves, why
     if not serves:
         assert f"not this GPU's {capability[0]}.{capability[1]}" in why and "TORCH_CUDA_ARCH_LIST" in why
+
+
+def test_an_extension_older_than_the_code_falls_back_to_the_reference():
+    """A _C built before an op was added (a pull without a rebuild) made `import vqlcmd` raise "operator
+    vqlcmd::... does not exist"; the reference now serves, and the reason says to rebuild. Simulated by a
+    _C that defines no ops at all."""
+    code = ("import sys, types; sys.modules['vqlcmd._C'] = types.ModuleType('vqlcmd._C'); import torch, vqlcmd; "
+            "from vqlcmd import ops; from vqlcmd.ops import _compiled; "
+            "print(ops.available_backends('categorical_kl')); print(_compiled.describe()); "
+            "print(float(ops.categorical_kl(torch.zeros(1, 3), torch.zeros(1, 3))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "['reference']",
+        "compiled backend: unavailable: vqlcmd._C is older than this code: it lacks noise_embeddings, "
+        "noise_embeddings_backward, ddim_teacher_step, categorical_kl, categorical_kl_backward, gelu_tanh, "
+        "gelu_tanh_backward, ada_layer_norm, ada_layer_norm_backward, short_attention, short_attention_backward; "
+        "rebuild it with `pip install --no-build-isolation -e .`",
+        "0.0"]

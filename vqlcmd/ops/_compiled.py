@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Optional
 
 import torch
@@ -77,18 +78,24 @@ def _built_archs() -> tuple[tuple[int, int, bool], ...]:
 
 @functools.lru_cache(maxsize=None)  # asked on every dispatch of a CUDA op
 def _parse_archs(text: str) -> tuple[tuple[int, int, bool], ...]:
-    """(major, minor, with PTX) of each architecture in an arch list such as "8.0;9.0+PTX"; empty when any
-    item is not of that form (a name such as "Hopper", a suffix such as "10.0f"): the build is then trusted."""
+    """(major, minor, with PTX) of each architecture in an arch list: torch's form ("8.0;9.0+PTX", from
+    setup.py) or CMake's ("80;90a", "90-real", "90-virtual", from CMakeLists.txt; a bare number there
+    embeds PTX too). Empty when any item is of neither form (a name such as "Hopper" or "native", a suffix
+    such as "10.0f"): the build is then trusted."""
     out = []
     for item in text.replace(",", ";").replace(" ", ";").split(";"):
         name = item.strip().upper()
         if not name:
             continue
-        ptx = name.endswith("+PTX")
-        digits = name.removesuffix("+PTX").removesuffix("A").split(".")
-        if not (len(digits) == 2 and digits[0].isdigit() and digits[1].isdigit()):
+        # (an "a" architecture's PTX runs on that architecture only: no PTX for later ones)
+        torch_form = re.fullmatch(r"(\d+)\.(\d)(A?)(\+PTX)?", name)
+        cmake_form = re.fullmatch(r"(\d+)(\d)(A?)(-REAL|-VIRTUAL)?", name)
+        if torch_form:
+            out.append((int(torch_form[1]), int(torch_form[2]), torch_form[4] is not None and not torch_form[3]))
+        elif cmake_form:
+            out.append((int(cmake_form[1]), int(cmake_form[2]), cmake_form[4] != "-REAL" and not cmake_form[3]))
+        else:
             return ()
-        out.append((int(digits[0]), int(digits[1]), ptx))
     return tuple(out)
 
 
@@ -339,6 +346,28 @@ def _register_library() -> None:
     torch.library.register_autograd(lib + "categorical_kl", _kl_backward, setup_context=_kl_setup_context)
 
 
+OPS = ("noise_embeddings", "noise_embeddings_backward", "ddim_teacher_step", "categorical_kl",
+       "categorical_kl_backward", "gelu_tanh", "gelu_tanh_backward", "ada_layer_norm", "ada_layer_norm_backward",
+       "short_attention", "short_attention_backward")
+
+
+def _missing_ops() -> list[str]:
+    """The ops this Python code expects that the loaded vqlcmd._C does not define."""
+    def defined(name: str) -> bool:
+        try:
+            return torch._C._dispatch_has_kernel_for_dispatch_key(f"vqlcmd::{name}", "CPU")
+        except RuntimeError:  # "operator vqlcmd::... does not exist"
+            return False
+
+    return [name for name in OPS if not defined(name)]
+
+
+if _C is not None and _missing_ops():
+    # a _C built from an older checkout (a `git pull` that added an op, without a rebuild): registering
+    # the missing ops' fake impls raised in `import vqlcmd`; the reference backend serves instead
+    _IMPORT_ERROR = (f"vqlcmd._C is older than this code: it lacks {', '.join(_missing_ops())}; rebuild it with "
+                     "`pip install --no-build-isolation -e .`")
+    _C = None
 if _C is not None:
     _register_library()
 
