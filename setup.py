@@ -138,6 +138,12 @@ def _extension():
     return (ext, cpp_extension.BuildExtension), f"vqlcmd._C: {built}; CPU {vec}"
 
 
+_REQUIRED = [os.path.join("csrc", "module.cpp"), os.path.join("csrc", "registration.cpp"),
+             os.path.join("csrc", "common", "dispatch.h")]
+_missing = [p for p in _REQUIRED if not os.path.isfile(os.path.join(ROOT, p))]
+if _missing:  # an extension built without them imports, then fails on its first op
+    sys.exit(f"vqlcmd: {', '.join(_missing)} missing from {ROOT}: build from a full checkout, or from an sdist made "
+             "with this project's MANIFEST.in")
 _ext, _summary = _extension()
 setup(
     packages=find_packages(include=["vqlcmd", "vqlcmd.*"]),
