@@ -135,7 +135,22 @@ def _extension():
                "torch has no CUDA build" if not torch.version.cuda else f"no nvcc under CUDA_HOME={cuda_home}")
         built = f"CPU kernels only ({why})"
     vec = "AVX2" if "-mavx2" in cxx else "portable vectors"
-    return (ext, cpp_extension.BuildExtension), f"vqlcmd._C: {built}; CPU {vec}"
+    return (ext, _persistent_objects(cpp_extension.BuildExtension)), f"vqlcmd._C: {built}; CPU {vec}"
+
+
+def _persistent_objects(build_ext):
+    """build_ext with its object files kept in build/ across builds. An editable install (install.sh,
+    hence test.sh and every quick-start run) builds in a fresh temporary folder, so ninja recompiled
+    every file each time (60 s CPU-only, 190 s with CUDA, for no change); in one folder it recompiles
+    only what changed."""
+
+    class Build(build_ext):
+        def finalize_options(self):
+            super().finalize_options()
+            tag = f"{sys.implementation.cache_tag}-{platform.machine()}"
+            self.build_temp = os.path.join(ROOT, "build", f"objects-{tag}")
+
+    return Build
 
 
 _REQUIRED = [os.path.join("csrc", "module.cpp"), os.path.join("csrc", "registration.cpp"),
