@@ -47,6 +47,19 @@ os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
 
 
+def _flag(name: str, default: bool) -> bool:
+    """A yes/no environment switch: 1/true/yes/on or 0/false/no/off (any case); anything else stops the
+    build, since a switch read as its default would build what was not asked for."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    sys.exit(f"vqlcmd: {name}={os.environ[name]!r} is not a yes/no value (1/true/yes/on or 0/false/no/off)")
+
+
 def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "**", pattern),
                                                              recursive=True))
@@ -56,7 +69,7 @@ def _unity_sources(sources: list[str]) -> list[str]:
     """The C++ sources to compile: module.cpp plus one generated file including every other .cpp
     (each keeps its own anonymous namespace names distinct; TORCH_LIBRARY_IMPL blocks get unique
     ids), or the files themselves with VQLCMD_UNITY_BUILD=0."""
-    if os.environ.get("VQLCMD_UNITY_BUILD", "1") == "0":
+    if not _flag("VQLCMD_UNITY_BUILD", True):
         return sources
     module = os.path.join("csrc", "module.cpp")
     parts = [p for p in sources if p != module]
@@ -77,7 +90,7 @@ def _unity_sources(sources: list[str]) -> list[str]:
 
 
 def _has_avx2() -> bool:
-    if os.environ.get("VQLCMD_CPU_AVX2", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+    if not _flag("VQLCMD_CPU_AVX2", True) or platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
         with open("/proc/cpuinfo") as f:
@@ -106,7 +119,7 @@ def _extension():
         return None, "vqlcmd._C not built: torch is not importable at build time (use --no-build-isolation)"
     cuda_home = cpp_extension.CUDA_HOME
     cuda_sources = _sources("*.cu")
-    want_cuda = os.environ.get("VQLCMD_SKIP_CUDA", "0") != "1"
+    want_cuda = not _flag("VQLCMD_SKIP_CUDA", False)
     nvcc_version = _nvcc_version(cuda_home) if cuda_home else ""
     with_cuda = bool(want_cuda and cuda_sources and torch.version.cuda and nvcc_version)
     arch_list = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""
@@ -114,12 +127,13 @@ def _extension():
     # every CPU kernel ran on one thread (ignored pragmas compile silently). The OpenMP runtime is
     # the libgomp.so.1 that torch already loaded, found by its soname.
     cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]
-    if os.environ.get("VQLCMD_DEBUG_INFO", "0") != "1":
+    if not _flag("VQLCMD_DEBUG_INFO", False):
         cxx.append("-g0")
     if _has_avx2():
         # at::vec::Vectorized<float> as AVX2 (its Sleef calls resolve in libtorch_cpu)
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    defines = [f'-DVQLCMD_CUDA_ARCH_LIST="{arch_list}"', f'-DVQLCMD_CUDA_VERSION="{nvcc_version}"']
+    # (a CPU-only build reports no CUDA version, whatever toolkit it saw)
+    defines = [f'-DVQLCMD_CUDA_ARCH_LIST="{arch_list}"', f'-DVQLCMD_CUDA_VERSION="{nvcc_version if with_cuda else ""}"']
     kwargs = dict(name="vqlcmd._C", sources=_unity_sources(_sources("*.cpp")),
                   include_dirs=[os.path.join(ROOT, "csrc")],
                   extra_link_args=["-fopenmp"])

@@ -3,6 +3,11 @@
 # builds the package in place. Used by the quick start, the tests and CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v python >/dev/null; then  # e.g. stock Debian/Ubuntu: python3 only, and it refuses pip installs
+  echo "install.sh: no 'python' on PATH. Make and activate a virtual environment first:" >&2
+  echo "  python3 -m venv .venv && . .venv/bin/activate" >&2
+  exit 1
+fi
 # nvcc on PATH may be a wrapper script, from which torch guesses a wrong CUDA_HOME.
 if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
 PIP="python -m pip install --disable-pip-version-check -q"

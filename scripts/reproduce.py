@@ -203,7 +203,10 @@ def _run_jobs(jobs, args, done: dict, log):
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     # spawn: a forked CUDA context is unusable; one task per process: each run starts from a clean state
-    with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
+    # (Python 3.11+; 3.10 has no max_tasks_per_child, and reuses a process for the next run: each run seeds
+    # its own generators, so only caches and allocator state carry over)
+    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
+    with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), **fresh) as pool:
         queue, running = list(jobs), {}
         while queue or running:
             while queue and len(running) < args.jobs and not late():

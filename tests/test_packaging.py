@@ -29,3 +29,18 @@ def test_setup_refuses_a_tree_without_the_kernel_sources(tmp_path):
     out = subprocess.run([sys.executable, "setup.py", "--name"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode != 0 and "csrc/module.cpp" in out.stderr and "MANIFEST.in" in out.stderr, out.stderr
+
+
+def test_build_switches_take_yes_no_words_and_refuse_others():
+    """VQLCMD_SKIP_CUDA=true was read as "not 1", i.e. build CUDA: a switch read as its default builds what
+    was not asked for."""
+    import os
+
+    def name(value):
+        return subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "VQLCMD_SKIP_CUDA": value})
+
+    said = name("true")
+    assert said.returncode == 0 and "CPU kernels only (VQLCMD_SKIP_CUDA=1)" in said.stderr, said.stderr
+    said = name("maybe")
+    assert said.returncode != 0 and "VQLCMD_SKIP_CUDA='maybe' is not a yes/no value" in said.stderr, said.stderr
