@@ -401,3 +401,15 @@ def test_the_launchers_sigterm_after_ctrl_c_is_not_a_second_ctrl_c(tmp_path, tin
         assert tr.signal_seen == signal.SIGINT
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: stop now
+
+
+def test_a_failing_preview_loses_no_checkpoint(tmp_path, tiny_shards, trainer, monkeypatch):
+    """The preview grid was drawn before the checkpoint of the same step: a preview that failed (sampling,
+    decoding, a full disk) lost every step since the last checkpoint, the first 10,000 with ds_imagenet."""
+    def broken(self, *a, **k):
+        raise RuntimeError("preview failed")
+
+    monkeypatch.setattr(Trainer, "save_sample_grid", broken)
+    with pytest.raises(RuntimeError, match="preview failed"):
+        trainer(tmp_path, tiny_shards, steps=4, checkpoint_every=2, sample_every=2).train(progress=False)
+    assert (tmp_path / "run" / "checkpoints" / "step_0000002").is_dir()

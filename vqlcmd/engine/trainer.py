@@ -386,10 +386,11 @@ class Trainer:
                 rate = (self.step - step_last) * self.micro * self.gas * self.world / max(train_seconds, 1e-9)
                 train_seconds, step_last = 0.0, self.step
                 self._log_scalars(terms, rate)
-            if cfg.sample_every and self.step % cfg.sample_every == 0 and self.step != cfg.steps:
-                self.save_sample_grid()
+            # the checkpoint first: a preview that fails (sampling, decoding, a full disk) loses no training
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step != cfg.steps:
                 self.save()
+            if cfg.sample_every and self.step % cfg.sample_every == 0 and self.step != cfg.steps:
+                self.save_sample_grid()
 
     def _log_scalars(self, terms: dict, images_per_s: float) -> None:
         if self.tb is None:
