@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without install
 
-from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section  # noqa: E402
+from vqlcmd.engine.config import ConfigError, load_config  # noqa: E402
 
 
 def _set(section: dict, dotted: str, value: str) -> None:
@@ -49,16 +49,17 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
 
+    def apply_sets(section: dict) -> None:
+        for item in args.set:
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise ConfigError(f"--set takes KEY=VALUE (a JSON value), got {item!r}")
+            _set(section, key, value)
+
     try:
-        ds_config, cfg = load_config(args.config)
-        if args.set:
-            section = cfg.to_dict()
-            for item in args.set:
-                key, eq, value = item.partition("=")
-                if not eq or not key:
-                    raise ConfigError(f"--set takes KEY=VALUE (a JSON value), got {item!r}")
-                _set(section, key, value)
-            cfg = parse_vqlcmd_section(section)
+        # on the file's section, before parsing forces the method's switches: a --set method=... after it kept
+        # the file's method's switches under the new name
+        ds_config, cfg = load_config(args.config, edit=apply_sets)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

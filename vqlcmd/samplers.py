@@ -18,6 +18,7 @@ from .ops.reference import guided_log_probs
 from .schedule import ShiftedCosineSchedule
 
 SAMPLERS = ("ancestral", "ddim")
+FINALS = ("sample", "argmax")  # the last draw: x ~ P(x | z_0; 0), or its argmax
 
 # One generator for the batch, or one per sample: then a sample's noise does not depend on which batch
 # (or rank) draws it, which is what per-image seeds in scripts/sample.py rely on.
@@ -129,7 +130,7 @@ def sample_tokens(
     ``final``: draw x ~ P(x | z_0; 0) ("sample", Algorithm 2) or take its argmax.
     ``generator``: one torch.Generator, or a sequence of B (one per sample).
     """
-    if final not in ("sample", "argmax"):
+    if final not in FINALS:
         raise ValueError(f"final must be 'sample' or 'argmax', got {final!r}")
     _, log_p = sample_latents(denoiser, table, schedule, num_samples=num_samples, class_labels=class_labels,
                               num_steps=num_steps, sampler=sampler, guidance_scale=guidance_scale,

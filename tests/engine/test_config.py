@@ -138,7 +138,7 @@ def test_values_have_their_fields_types(section, message):
     ({"optimizer": {"min_lr_ratio": 2}}, r"min_lr_ratio must be in \[0, 1\]"),
     ({"ema": {"teacher": 2}}, r"vqlcmd\.ema: teacher must be in \[0, 1\), got 2\.0"),
     ({"ema": {"sampling": 1}}, r"vqlcmd\.ema: sampling must be in \[0, 1\), got 1\.0"),
-    ({"schedule": {"t_min": 0}}, r"t_min must be in \(0, 1\)"),
+    ({"schedule": {"t_min": 0}}, r"t_min must be in \(0, 0\.5\)"),
     ({"sample": {"guidance_scale": -1}}, r"guidance_scale must be non-negative"),
     ({"data": {"tokenizer_steps": 0}}, r"tokenizer_steps must be a positive integer"),
 ])
@@ -233,3 +233,48 @@ def test_model_overrides_are_checked_with_the_other_keys(overrides, match):
 def test_unknown_preset_is_a_config_error():
     with pytest.raises(ConfigError, match=r"vqlcmd\.model: preset: unknown denoiser preset 'nope'"):
         parse_vqlcmd_section({"model": {"preset": "nope"}})
+
+
+def test_set_applies_before_the_methods_switches(tmp_path, monkeypatch):
+    """--set edited the parsed config, after the file's method had forced its switches: --set method=vqlcmd on
+    a csdm config trained a run called vqlcmd with CSDM's loss (no L_CM, VLB weighting, no dropping)."""
+    import importlib.util
+
+    import vqlcmd.engine.trainer as trainer_module
+
+    p = tmp_path / "csdm.json"
+    p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "vqlcmd": {"method": "csdm"}}))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(ds, cfg, **kw):
+        seen["cfg"] = cfg
+        raise Stop
+
+    monkeypatch.setattr(trainer_module, "Trainer", capture)
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(Stop):
+        script.main(["--config", str(p), "--set", "method=vqlcmd"])
+    cfg = seen["cfg"]
+    assert cfg.method == "vqlcmd" and cfg.loss == parse_vqlcmd_section({}).loss  # the defaults, not CSDM's
+    with pytest.raises(Stop):
+        script.main(["--config", str(p)])
+    assert seen["cfg"].loss.beta_cm == 0 and seen["cfg"].loss != parse_vqlcmd_section({}).loss
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"sample": {"sampler": "ddim2"}}, r"vqlcmd\.sample: sampler must be one of ancestral, ddim, got 'ddim2'"),
+    ({"sample": {"final": "max"}}, r"vqlcmd\.sample: final must be one of sample, argmax"),
+    ({"train": {"backend": "foo"}}, r"vqlcmd\.train: backend must be one of auto, reference, compiled, triton"),
+    ({"schedule": {"t_min": 0.6}}, r"vqlcmd\.schedule: t_min must be in \(0, 0\.5\)"),
+    ({"loss": {"beta_cm": -1}}, r"vqlcmd\.loss: beta_cm must be a finite number >= 0"),
+])
+def test_values_that_failed_late_are_config_errors(section, match):
+    """Each passed the config and failed at the first preview grid (before the first checkpoint), at the
+    first step, once the model was built, or (negative weights) trained without complaint."""
+    with pytest.raises(ConfigError, match=match):
+        parse_vqlcmd_section(section)

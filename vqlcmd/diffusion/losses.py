@@ -50,6 +50,9 @@ class LossConfig:
         for name in ("p_drop", "label_drop"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("beta_dm", "beta_cm"):  # a negative weight trains the model away from its target
+            if not 0.0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
 
     def to_dict(self) -> dict:
         return asdict(self)

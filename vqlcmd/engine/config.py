@@ -19,6 +19,10 @@ from typing import Any, Callable, Optional, Union
 
 from ..baselines import METHODS, CSDMConfig, MaskGITConfig, apply_method
 from ..diffusion import LossConfig
+from ..ops import BACKENDS
+from ..samplers import FINALS, SAMPLERS
+
+OP_BACKENDS = ("auto", *BACKENDS)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -93,7 +97,8 @@ class ScheduleSection:
     t_min: float = 1e-4
 
     def __post_init__(self):
-        _require(self, (("t_min", lambda v: 0.0 < v < 1.0, "in (0, 1)"),))
+        # (the schedule clamps t to [t_min, 1 - t_min], which is empty from 0.5 on)
+        _require(self, (("t_min", lambda v: 0.0 < v < 0.5, "in (0, 0.5)"),))
 
 
 @dataclass
@@ -145,7 +150,8 @@ class TrainSection:
                         ("log_every", lambda v: v >= 1, "a positive integer"),
                         ("sample_every", lambda v: v >= 0, "a non-negative integer (0: off)"),
                         ("checkpoint_every", lambda v: v >= 0, "a non-negative integer (0: off)"),
-                        ("keep_checkpoints", lambda v: v >= 0, "a non-negative integer (0: keep all)")))
+                        ("keep_checkpoints", lambda v: v >= 0, "a non-negative integer (0: keep all)"),
+                        ("backend", lambda v: v in OP_BACKENDS, f"one of {', '.join(OP_BACKENDS)}")))
 
 
 @dataclass
@@ -164,7 +170,9 @@ class SampleSection:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        _require(self, (("guidance_scale", lambda v: v >= 0, "non-negative (ω = 0: no guidance)"),))
+        _require(self, (("guidance_scale", lambda v: v >= 0, "non-negative (ω = 0: no guidance)"),
+                        ("sampler", lambda v: v in SAMPLERS, f"one of {', '.join(SAMPLERS)}"),
+                        ("final", lambda v: v in FINALS, f"one of {', '.join(FINALS)}")))
 
 
 @dataclass
@@ -262,8 +270,10 @@ def resolve_config_path(name: str) -> Path:
     raise ConfigError(f"config {name!r} not found (looked at {path.resolve()} and {candidate})")
 
 
-def load_config(name: str) -> tuple[dict, VQLCMDConfig]:
-    """Returns (the DeepSpeed part of the file, the parsed vqlcmd section)."""
+def load_config(name: str, edit: Optional[Callable[[dict], None]] = None) -> tuple[dict, VQLCMDConfig]:
+    """Returns (the DeepSpeed part of the file, the parsed vqlcmd section). ``edit`` changes the file's
+    vqlcmd section in place before it is parsed (``--set``): parsing forces a method's switches, so an edit
+    after it could change the method and keep the old one's switches."""
     path = resolve_config_path(name)
     try:
         raw = json.loads(path.read_text())
@@ -272,6 +282,10 @@ def load_config(name: str) -> tuple[dict, VQLCMDConfig]:
     if "vqlcmd" not in raw:
         raise ConfigError(f"{path}: missing the 'vqlcmd' section")
     section = raw.pop("vqlcmd")
+    if edit is not None:
+        if not isinstance(section, dict):
+            raise ConfigError(f"vqlcmd must be a JSON object, got {type(section).__name__}")
+        edit(section)
     cfg = parse_vqlcmd_section(section)
     check_deepspeed_section(raw, path)
     return raw, cfg
