@@ -1,6 +1,7 @@
 """Trains the project's small VQ tokenizer (a diffusers VQModel) and saves it as a local folder.
 
-    python scripts/train_tokenizer.py --dataset digits            # the embedded data set's tokenizer (cached)
+    python scripts/train_tokenizer.py --dataset digits            # the embedded data set's tokenizer (cached;
+                                                                  # the quick start's: --steps 400)
     python scripts/train_tokenizer.py --images DIR --size 64 --out tok/ [--channels 3] [--steps 2000]
 
 Prints the reconstruction PSNR (through the token path) and how many codes are in use.
@@ -28,7 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="output folder (digits: default, the cache used by prepare_digits)")
     p.add_argument("--size", type=positive_int, default=32, help="image side")
     p.add_argument("--channels", type=int, choices=(1, 3), default=None, help="1 or 3 (digits: 1; images: 3)")
-    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--steps", type=positive_int, default=1000,
+                   help="training steps (default 1000; the quick start's config, ds_digits.json, uses 400)")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--lr", type=positive_float, default=2e-3)
     p.add_argument("--codebook-size", type=positive_int, default=128)
@@ -53,16 +55,16 @@ def parse_args(argv=None):
     if args.dataset == "digits" and args.channels not in (None, 1):
         p.error(f"--channels {args.channels}: the digits are grayscale (1 channel)")
     if args.dataset == "digits" and args.out is None:
-        # prepare_digits builds the quick start's tokenizer, cached under steps, batch size, seed and size
+        # prepare_digits builds the digits data set's tokenizer, cached under steps, batch size, seed and size
         # only: passing other settings through would need them in that key too, or the cache would hand a
-        # different model back under the quick start's name
+        # different model back under the digits data set's name
         default_blocks = tuple(int(c) for c in p.get_default("channels_per_block").split(","))
         ignored = [opt for opt, changed in (("--lr", args.lr != p.get_default("lr")),
                                             ("--codebook-size", args.codebook_size != p.get_default("codebook_size")),
                                             ("--code-dim", args.code_dim != p.get_default("code_dim")),
                                             ("--channels-per-block", blocks != default_blocks)) if changed]
         if ignored:
-            p.error(f"{', '.join(ignored)}: --dataset digits without --out trains the quick start's cached tokenizer, "
+            p.error(f"{', '.join(ignored)}: --dataset digits without --out trains the digits data set's cached tokenizer, "
                     "which takes only --steps, --seed, --size and --batch-size; give --out DIR to train one with "
                     "these settings")
     return args
