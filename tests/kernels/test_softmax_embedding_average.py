@@ -768,3 +768,14 @@ def test_gpu_deterministic_results_do_not_depend_on_the_autotuners_picks(sea, mo
         torch.use_deterministic_algorithms(False)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def test_a_second_derivative_is_refused_not_wrong(device):
+    """create_graph=True took the kernels' backward as a constant: a second derivative came out silently
+    wrong. It raises now; the reference backend serves double backward."""
+    logits, table = make((3,), 40, 8, torch.float32, device)
+    logits.requires_grad_()
+    y = ops.softmax_embedding_average(logits, table, backend="triton")
+    (g,) = torch.autograd.grad(y.square().sum(), logits, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()

@@ -755,3 +755,31 @@ def test_an_extension_older_than_the_code_falls_back_to_the_reference():
         "gelu_tanh_backward, ada_layer_norm, ada_layer_norm_backward, short_attention, short_attention_backward; "
         "rebuild it with `pip install --no-build-isolation -e .`",
         "0.0"]
+
+
+def test_a_second_derivative_is_refused_not_wrong(gen):
+    """create_graph=True took the kernels' backward ops as constants: d2/dx2 of x**2 + gelu_tanh(x) came out as
+    2 everywhere (gelu's term dropped), silently. Each op's second derivative now raises."""
+    x = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    scale, shift = torch.randn(2, 8, generator=gen), torch.randn(2, 8, generator=gen)
+    q = torch.randn(1, 2, 5, 4, generator=gen, requires_grad=True)
+    table = torch.randn(6, 8, generator=gen, requires_grad=True)
+    tokens, ab = torch.randint(0, 6, (2, 5), generator=gen), torch.rand(2, generator=gen)
+    cases = {"gelu_tanh": lambda: ops.gelu_tanh(x, backend="compiled"),
+             "ada_layer_norm": lambda: ops.ada_layer_norm(x, scale, shift, backend="compiled"),
+             "short_attention": lambda: ops.short_attention(q, q, q, backend="compiled"),
+             "categorical_kl": lambda: ops.categorical_kl(torch.randn(2, 5, 8, generator=gen), x, backend="compiled"),
+             "noise_embeddings": lambda: ops.noise_embeddings(tokens, table, ab, ab, noise=torch.zeros(2, 5, 8),
+                                                              backend="compiled")}
+    for name, f in cases.items():
+        inputs = [t for t in (x, q, table) if t.requires_grad]
+        out = f()
+        grads = torch.autograd.grad(out.square().sum(), inputs, create_graph=True, allow_unused=True)
+        total = sum(g.sum() for g in grads if g is not None and g.requires_grad)
+        with pytest.raises(RuntimeError, match=f"vqlcmd::{name}: the compiled backend has no second derivative"):
+            total.backward()
+    # first order is unchanged
+    y = (x ** 2 + ops.gelu_tanh(x, backend="compiled")).sum()
+    (g,) = torch.autograd.grad(y, x)
+    (g_ref,) = torch.autograd.grad((x ** 2 + ops.gelu_tanh(x, backend="reference")).sum(), x)
+    torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)

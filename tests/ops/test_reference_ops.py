@@ -274,3 +274,28 @@ def test_ddim_shape_error(gen):
     tokens, table, a, s, z, _ = _noise_inputs(gen)
     with pytest.raises(ValueError, match="z_t must have shape"):
         ops.ddim_teacher_step(tokens, table, z[:, :, :2], a, s, a, s)
+
+
+def test_noise_embeddings_sums_a_bf16_tables_gradient_in_float32(gen):
+    """The reference, float32 math by contract, summed a bf16 table's gradient in bf16: 256 uses of a row
+    were 5% off the float64 sum, against the 0.1% that rounding the sum once to bf16 costs."""
+    B, M, V, D = 8, 256, 4, 8
+    tokens = torch.randint(0, V, (B, M), generator=gen)
+    table = torch.randn(V, D, generator=gen).bfloat16().requires_grad_()
+    alpha, sigma = torch.rand(B, generator=gen), torch.rand(B, generator=gen)
+    grad = torch.randn(B, M, D, generator=gen).bfloat16()
+    z = ops.noise_embeddings(tokens, table, alpha, sigma, noise=torch.zeros(B, M, D), backend="reference")
+    z.backward(grad)
+    truth = torch.zeros(V, D, dtype=torch.float64).index_add_(
+        0, tokens.reshape(-1), (alpha[:, None, None].double() * grad.double()).reshape(-1, D))
+    err = (table.grad.double() - truth).norm() / truth.norm()
+    assert err < 3e-3, err
+
+
+def test_guided_average_errors_name_its_own_arguments():
+    """They named teacher_logits / student_logits, the KL's arguments, whose check it shares."""
+    table = torch.randn(5, 3)
+    with pytest.raises(ValueError, match=r"cond_logits \(2, 5\) and uncond_logits \(3, 5\) must have one shape"):
+        ops.guided_embedding_average(torch.randn(2, 5), torch.randn(3, 5), table, 1.0)
+    with pytest.raises(TypeError, match="uncond_logits"):
+        ops.guided_embedding_average(torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), table, 1.0)

@@ -72,7 +72,7 @@ def guided_embedding_average(
     logits are finite, so the kernels do not spend a pass on it).
     """
     _checks.check_average_inputs(cond_logits, table)
-    _checks.check_logits_pair(cond_logits, uncond_logits)
+    _checks.check_logits_pair(cond_logits, uncond_logits, ("cond_logits", "uncond_logits"))
     guidance_scale = _checks.checked_guidance(guidance_scale)
     if guidance_scale == 0:  # exactly the plain op, also where only uncond is -inf (0 · inf would be NaN)
         return softmax_embedding_average(cond_logits, table, backend=backend)
@@ -83,7 +83,8 @@ def guided_embedding_average(
 def categorical_kl(
     teacher_logits: torch.Tensor, student_logits: torch.Tensor, *, backend: str = "auto"
 ) -> torch.Tensor:
-    """Per-row ``KL(softmax(teacher) || softmax(student))``: (..., K), (..., K) -> (...), float32.
+    """Per-row ``KL(softmax(teacher) || softmax(student))``: (..., K), (..., K) -> (...), float32 (float64
+    for float64 inputs).
 
     The consistency-matching term L_CM of VQ-LCMD.md. The teacher is a fixed
     target: the gradient flows to ``student_logits`` only.

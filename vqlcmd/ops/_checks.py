@@ -77,14 +77,14 @@ def check_per_batch(name: str, x: torch.Tensor, batch: int) -> None:
     check_shape(name, x, (batch,))
 
 
-def check_logits_pair(teacher: torch.Tensor, student: torch.Tensor) -> None:
-    check_float("teacher_logits", teacher)
-    check_float("student_logits", student)
-    if teacher.shape != student.shape:
-        raise ValueError(
-            f"teacher_logits {tuple(teacher.shape)} and student_logits {tuple(student.shape)} must have one shape"
-        )
-    check_same_device(teacher_logits=teacher, student_logits=student)
+def check_logits_pair(first: torch.Tensor, second: torch.Tensor,
+                      names: tuple[str, str] = ("teacher_logits", "student_logits")) -> None:
+    """Two logit tensors of one shape on one device; ``names``: the caller's names for them."""
+    check_float(names[0], first)
+    check_float(names[1], second)
+    if first.shape != second.shape:
+        raise ValueError(f"{names[0]} {tuple(first.shape)} and {names[1]} {tuple(second.shape)} must have one shape")
+    check_same_device(**{names[0]: first, names[1]: second})
 
 
 def check_average_inputs(logits: torch.Tensor, table: torch.Tensor) -> None:

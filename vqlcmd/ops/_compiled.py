@@ -289,6 +289,20 @@ def _blhd_empty(x: torch.Tensor) -> torch.Tensor:
 
 # ---- torch.library: fake implementations and autograd ------------------------------------------
 
+def _no_context(ctx, inputs, output) -> None:
+    pass
+
+
+def _no_double_backward(name: str):
+    op = name.removesuffix("_backward")
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"vqlcmd::{op}: the compiled backend has no second derivative (a gradient of its "
+                           "gradient, create_graph=True); use backend='reference' for double backward")
+
+    return backward
+
+
 def _register_library() -> None:
     lib = "vqlcmd::"
 
@@ -339,6 +353,12 @@ def _register_library() -> None:
     def _(grad, q, k, v, out, lse):
         return _blhd_empty(q), _blhd_empty(q), _blhd_empty(q)
 
+    # The backward ops have no derivative of their own. Unregistered, autograd took them as constants under
+    # create_graph=True and a second derivative came out silently wrong (torch only warned); now using one
+    # raises, naming the op and the way out.
+    for name in ("noise_embeddings_backward", "categorical_kl_backward", "gelu_tanh_backward",
+                 "ada_layer_norm_backward", "short_attention_backward"):
+        torch.library.register_autograd(lib + name, _no_double_backward(name), setup_context=_no_context)
     torch.library.register_autograd(lib + "short_attention", _attn_backward, setup_context=_attn_setup_context)
     torch.library.register_autograd(lib + "ada_layer_norm", _ada_backward, setup_context=_ada_setup_context)
     torch.library.register_autograd(lib + "gelu_tanh", _gelu_backward, setup_context=_gelu_setup_context)
