@@ -167,3 +167,21 @@ def test_guided_sampling_loop_matches_a_transcription_of_algorithm_2(sampler):
             z = mean + math.sqrt(var_ts * s_s**2 / s_t**2) * torch.randn(2, M, D, generator=g).double()
     torch.testing.assert_close(z0.double(), z, rtol=1e-4, atol=1e-4)  # float32 in the sampler
     torch.testing.assert_close(log_p.double(), guided_log_p(z, 0.0), rtol=1e-4, atol=1e-4)
+
+
+def test_sampler_arguments_are_checked_as_the_pipeline_checks_them():
+    """The exported samplers took a list of labels as an AttributeError, a 1.7 label as class 1, seq_len=0
+    as the default length and 2.5 steps as a TypeError from inside torch.linspace."""
+    from vqlcmd.model import build_denoiser
+    from vqlcmd.samplers import sample_tokens
+
+    den = build_denoiser("tiny").eval()
+    table, sched = torch.randn(17, 8), ShiftedCosineSchedule()
+    tokens = sample_tokens(den, table, sched, class_labels=[0, 3], num_steps=2, generator=torch.Generator().manual_seed(0))
+    assert tokens.shape == (2, 16)
+    with pytest.raises(ValueError, match="class_labels must be integers, got 1.7"):
+        sample_tokens(den, table, sched, class_labels=torch.tensor([1.7]), num_steps=2)
+    with pytest.raises(ValueError, match=r"seq_len must be in \[1, 16\], got 0"):
+        sample_tokens(den, table, sched, class_labels=[0], num_steps=2, seq_len=0)
+    with pytest.raises(TypeError, match="num_steps must be an integer, got 2.5"):
+        sample_tokens(den, table, sched, class_labels=[0], num_steps=2.5)

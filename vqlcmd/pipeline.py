@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from .model import DenoiserConfig
 from .network import VQLCMDNetwork
-from .samplers import Generators, sample_tokens
+from .ops._checks import checked_guidance
+from .samplers import Generators, class_label_tensor, sample_tokens
 from .schedule import ShiftedCosineSchedule
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -215,6 +216,7 @@ class VQLCMDPipeline:
                              "(from_pretrained(load_tokenizer=True), or output_type='tokens')")
         explicit_guidance = guidance_scale is not None
         guidance_scale = self.sample_defaults.get("guidance_scale", 0.0) if guidance_scale is None else guidance_scale
+        guidance_scale = checked_guidance(guidance_scale)  # before the comparisons below ("1" > 0 was a TypeError)
         cfg = self.network.config
         if class_labels is not None:
             labels = class_label_tensor(class_labels, num_images)
@@ -237,7 +239,13 @@ class VQLCMDPipeline:
                 # classes, there is nothing to guide to
                 guidance_scale = 0.0
         if generator is not None and not isinstance(generator, torch.Generator):
-            generator = list(generator)
+            try:
+                generator = list(generator)
+            except TypeError:
+                raise TypeError(f"generator must be a torch.Generator or one per image, got "
+                                f"{type(generator).__name__} (a seed: torch.Generator().manual_seed(seed))") from None
+            if not all(isinstance(g, torch.Generator) for g in generator):
+                raise TypeError("generator: a list must hold torch.Generators (image_generators(seeds) makes them)")
             if len(generator) != n:
                 raise ValueError(f"{len(generator)} generators for {n} images: give one per image")
         return labels, n, guidance_scale, generator
@@ -301,21 +309,6 @@ class _SamplingDenoiser(torch.nn.Module):
 
     def forward(self, z, t, y=None):
         return self.inner(z.to(self.inner.in_proj.weight.dtype), t, y)
-
-
-def class_label_tensor(class_labels, num_images: Optional[int]) -> torch.Tensor:
-    """``class_labels`` as a flat int64 tensor; a fractional label (which a cast would truncate) or a
-    ``num_images`` that disagrees with the labels' count is an error, not silently dropped."""
-    labels = torch.as_tensor(class_labels).reshape(-1)
-    if labels.is_floating_point():
-        fractional = labels[labels != labels.round()]
-        if fractional.numel():
-            raise ValueError(f"class_labels must be integers, got {', '.join(f'{v:g}' for v in fractional.tolist()[:8])}")
-    elif labels.dtype == torch.bool or labels.is_complex():
-        raise ValueError(f"class_labels must be integers, got dtype {labels.dtype}")
-    if num_images is not None and num_images != labels.numel():
-        raise ValueError(f"num_images={num_images} but {labels.numel()} class_labels were given (one image per label)")
-    return labels.long()
 
 
 def default_batch_size(device: torch.device) -> int:

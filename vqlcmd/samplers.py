@@ -7,6 +7,7 @@ batched forward.
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -85,6 +86,29 @@ def ddim_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s):
     return alpha_s * psi + (sigma_s / sigma_t) * (z_t - alpha_t * psi)
 
 
+def class_label_tensor(class_labels, num_images: Optional[int]) -> torch.Tensor:
+    """``class_labels`` as a flat int64 tensor; a fractional label (which a cast would truncate) or a
+    ``num_images`` that disagrees with the labels' count is an error, not silently dropped."""
+    labels = torch.as_tensor(class_labels).reshape(-1)
+    if labels.is_floating_point():
+        fractional = labels[labels != labels.round()]
+        if fractional.numel():
+            raise ValueError(f"class_labels must be integers, got {', '.join(f'{v:g}' for v in fractional.tolist()[:8])}")
+    elif labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"class_labels must be integers, got dtype {labels.dtype}")
+    if num_images is not None and num_images != labels.numel():
+        raise ValueError(f"num_images={num_images} but {labels.numel()} class_labels were given (one image per label)")
+    return labels.long()
+
+
+def _count(name: str, value) -> int:
+    """An integer argument, as an int: 2.5 steps was a TypeError from inside torch.linspace."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+
+
 def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: float, device):
     """(labels (B,) or None, B) for a sampler: conditional models take ``class_labels``, unconditional ones
     ``num_samples``; a conditional model without labels samples the null class. Guidance needs labels."""
@@ -92,7 +116,7 @@ def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: 
     if class_labels is not None:
         if num_classes == 0:
             raise ValueError("class_labels given to an unconditional model")
-        y = class_labels.to(device=device, dtype=torch.long)
+        y = class_label_tensor(class_labels, None).to(device)  # a list, or floats that are integers
         B = y.shape[0]
     else:
         if num_samples is None:
@@ -159,11 +183,14 @@ def sample_latents(
     """Run the reverse process to t = 0: returns z_0 (B, M, D) and the (guided) log P(x | z_0; 0) (B, M, K)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    num_steps = _count("num_steps", num_steps)
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     cfg = denoiser.cfg
     K, D = cfg.codebook_size, cfg.embed_dim
-    M = seq_len or cfg.seq_len
+    M = cfg.seq_len if seq_len is None else _count("seq_len", seq_len)  # (0 meant the default)
+    if not 1 <= M <= cfg.seq_len:
+        raise ValueError(f"seq_len must be in [1, {cfg.seq_len}], got {M}")
     device = table.device
     y, B = resolve_labels(cfg.num_classes, class_labels, num_samples, guidance_scale, device)
     guided = guidance_scale > 0

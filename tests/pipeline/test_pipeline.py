@@ -106,6 +106,11 @@ def test_errors_name_the_problem(tiny_pipeline, tmp_path):
         tiny_pipeline([0, 1], num_images=3, num_steps=2)
     with pytest.raises(ValueError, match="num_images must be >= 0, got -3"):
         tiny_pipeline(num_images=-3, num_steps=2)
+    # a TypeError from a comparison, and 'int' object is not iterable
+    with pytest.raises(TypeError, match="guidance_scale must be a real number, got str"):
+        tiny_pipeline(num_images=2, guidance_scale="1", num_steps=2)
+    with pytest.raises(TypeError, match=r"generator must be a torch\.Generator or one per image, got int"):
+        tiny_pipeline([0, 1], generator=0, num_steps=2)
     assert tiny_pipeline([1.0, 2.0], num_images=2, num_steps=2, output_type="tokens").shape == (2, 4, 4)
     folder = tiny_pipeline.save_pretrained(tmp_path / "p")
     config = json.loads((folder / "config.json").read_text())
