@@ -172,9 +172,14 @@ def evaluate_digits(args) -> dict:
     if src.is_dir():
         images = stack_images(image_files(src), grey=True)
     else:
+        from vqlcmd.metrics.inception import as_uint8_nchw
+
         _, batches = image_source(src, 1 << 30)
-        images = next(iter(batches))
-        images = images.mean(-1) if images.ndim == 4 else images  # RGB-repeated grey back to one channel
+        try:  # the layouts and dtype the Inception path takes: an NCHW array lost its width axis here, and a
+            # float one in [0, 1] was divided by 255 again, both scored as garbage with exit 0
+            images = as_uint8_nchw(next(iter(batches))).float().mean(1).numpy()  # RGB-repeated grey: one channel
+        except ValueError as exc:
+            raise SystemExit(f"{src}: {exc}") from None
     x = torch.as_tensor(np.asarray(images, dtype=np.float32) / 255.0)[:, None]
     labels = load_labels(src, len(x))
     out = evaluate_digit_samples(x, labels)
@@ -192,7 +197,9 @@ def main(argv=None) -> int:
     p.add_argument("--metrics", type=choices_list(("fid", "is", "pr")), default=["fid", "is", "pr"],
                    help="comma-separated subset of fid, is, pr")
     p.add_argument("--k", type=positive_int, default=3, help="neighbourhood size for precision/recall")
-    p.add_argument("--splits", type=positive_int, default=10, help="Inception Score splits")
+    p.add_argument("--splits", type=positive_int, default=10,
+                   help="Inception Score splits: consecutive slices, as in ADM's evaluator (give samples in mixed "
+                        "class order)")
     p.add_argument("--save-ref", default=None, help="save the reference's mu/sigma/pool features to this .npz")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--device", default=None)

@@ -42,3 +42,16 @@ def test_a_maskgit_run_reports_its_own_sampler(tiny_config):
     trainer.train(progress=False)
     report = final_report(trainer, per_class=1)
     assert (report["sampler"], report["num_steps"]) == ("maskgit", 3)
+
+
+def test_an_unconditional_digits_run_reports_without_accuracy(tiny_config, capsys):
+    """Its samples have no labels, so no accuracy: the report read report['accuracy'] and died with a KeyError
+    after training, before report.json was written."""
+    ds, cfg = load_config(str(tiny_config(steps=1, model={"preset": "tiny", "overrides": {"num_classes": 0}})))
+    trainer = Trainer(ds, cfg, log=lambda *a, **k: None)
+    trainer.train(progress=False)
+    trainer.header["source"] = DIGITS_SOURCE
+    report = final_report(trainer, per_class=2)
+    assert "accuracy" not in report and report["spread_ratio"] >= 0 and "fid" in report
+    assert json.loads((trainer.out_dir / "report.json").read_text()) == report
+    assert "within-class spread" in capsys.readouterr().out

@@ -57,6 +57,14 @@ def test_digits_mode_on_real_digits(evaluate, tmp_path, capsys):
     evaluate.main([str(tmp_path / "s.npz"), "--digits", "--json", str(tmp_path / "r2.json")])
     r2 = json.loads((tmp_path / "r2.json").read_text())
     assert r2["accuracy"] == pytest.approx(r["accuracy"]) and r2["fid"] == pytest.approx(r["fid"], rel=1e-6)
+    # NCHW scores the same; it lost its width axis (accuracy 0.7%), and a float array in [0, 1] was divided
+    # by 255 again (10%), both with exit 0
+    np.savez(tmp_path / "nchw.npz", arr_0=arr[:, None], arr_1=labels[idx].numpy())
+    evaluate.main([str(tmp_path / "nchw.npz"), "--digits", "--json", str(tmp_path / "r3.json")])
+    assert json.loads((tmp_path / "r3.json").read_text())["accuracy"] == pytest.approx(r["accuracy"])
+    np.savez(tmp_path / "float.npz", arr_0=arr[..., None] / 255.0, arr_1=labels[idx].numpy())
+    with pytest.raises(SystemExit, match=r"float\.npz: images must be uint8"):
+        evaluate.main([str(tmp_path / "float.npz"), "--digits"])
 
 
 def test_inception_metrics_on_given_features():

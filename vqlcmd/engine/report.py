@@ -43,9 +43,10 @@ def final_report(trainer, per_class: int = 50) -> dict:
         from ..metrics.digits import evaluate_digit_samples
 
         report.update(evaluate_digit_samples(images, labels))
+        # an unconditional model's samples have no labels, so no accuracy (the spread is by predicted class)
+        accuracy = f"classifier accuracy {100 * report['accuracy']:.1f}%, " if "accuracy" in report else ""
         print(f"digits: {report['num_samples']} samples ({s['sampler']}, {s['num_steps']} steps, guidance "
-              f"{s['guidance_scale']}): classifier accuracy {100 * report['accuracy']:.1f}%, within-class spread "
-              f"{report['spread_ratio']:.2f}x the real digits'")
+              f"{s['guidance_scale']}): {accuracy}within-class spread {report['spread_ratio']:.2f}x the real digits'")
         # the distribution figures went to report.json only, though they are what shows lost variety
         print(f"digits, against the real digits in the classifier's feature space: FID {report['fid']:.3f}, "
               f"precision {report['precision']:.3f}, recall {report['recall']:.3f}")

@@ -69,7 +69,11 @@ def fid_from_features(a: ArrayLike, b: ArrayLike) -> float:
 
 def inception_score(logits: ArrayLike, splits: int = 10) -> tuple[float, float]:
     """(mean, std) over ``splits`` of exp E KL(p(y|x) ‖ p(y)); ``logits`` (N, C) are unnormalised
-    (torch-fidelity's ``logits_unbiased``: the 1008-way head without its bias, as the TF original)."""
+    (torch-fidelity's ``logits_unbiased``: the 1008-way head without its bias, as the TF original).
+
+    The splits are consecutive slices, as in ADM's evaluator (torch-fidelity shuffles first), so the
+    samples' order matters: a set sorted by class scores far lower (each split sees few classes).
+    scripts/sample.py cycles the classes; give other sets in mixed order."""
     x = _f64(logits)
     n = x.shape[0]
     if not 1 <= splits <= n:
