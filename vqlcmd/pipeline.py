@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from . import ops
 from .model import DenoiserConfig
 from .network import VQLCMDNetwork
 from .ops._checks import checked_guidance
@@ -147,6 +148,18 @@ class VQLCMDPipeline:
         self._sampling_denoiser, self.fast_mode = None, None
         return self
 
+    def to(self, device: Union[str, torch.device, None] = None, dtype: Optional[torch.dtype] = None) -> "VQLCMDPipeline":
+        """Moves the model (and the tokenizer, to ``device``) and returns the pipeline, as diffusers' ``to``.
+        ``dtype`` (float32, bfloat16, float16) is the weights': 16-bit ones sample under autocast, as with
+        ``from_pretrained(dtype=...)``. Fast sampling is switched off: its compiled graphs belong to the old
+        device and dtype (call ``enable_fast_sampling`` again)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        self.network = self.network.to(device=device, dtype=dtype)
+        if device is not None and self.tokenizer is not None and hasattr(self.tokenizer, "to"):
+            self.tokenizer = self.tokenizer.to(torch.device(device))
+        return self.disable_fast_sampling()
+
     def _denoiser(self):
         if getattr(self, "_sampling_denoiser", None) is not None:
             return self._sampling_denoiser
@@ -179,8 +192,16 @@ class VQLCMDPipeline:
         of PIL images), "pt" (float tensor in [0, 1], (N, C, H, W)) or "tokens" ((N, h, w) int64, no
         tokenizer needed). Defaults for
         ``num_steps``, ``guidance_scale``, ``sampler`` and ``final`` come from the exported config.
+        ``backend``: of the sampler's fused op (the (guided) softmax-weighted embedding average): "auto",
+        "reference" or "triton"; the compiled backend has no such op.
         """
         batch_size = self._batch_size(batch_size)
+        if backend != "auto" and backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {ops.BACKENDS}, got {backend!r}")
+        if backend != "auto" and backend not in ops.available_backends("softmax_embedding_average"):
+            # found only at the first sampling step
+            raise ValueError(f"backend={backend!r} cannot serve the sampler's op softmax_embedding_average "
+                             f"(available: {ops.available_backends('softmax_embedding_average')})")
         d = self.sample_defaults
         num_steps = d.get("num_steps", 50) if num_steps is None else num_steps  # 0 is refused, not the default
         sampler = sampler or d.get("sampler", "ancestral")

@@ -241,3 +241,20 @@ def test_float64_weights_sample_without_autocast(tiny_pipeline, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # CPU autocast warned on every call that it does not take fp64
         assert pipe([0, 1], num_steps=2, output_type="tokens").shape == (2, 4, 4)
+
+
+def test_to_moves_the_model_and_samples_like_from_pretrained_with_that_dtype(tiny_pipeline, tmp_path):
+    folder = tiny_pipeline.save_pretrained(tmp_path / "p")
+    pipe = VQLCMDPipeline.from_pretrained(folder)
+    assert pipe.to("cpu", torch.bfloat16) is pipe and pipe.network.embedding.weight.dtype == torch.bfloat16
+    kw = dict(num_steps=2, output_type="tokens", generator=G(3))
+    loaded = VQLCMDPipeline.from_pretrained(folder, dtype=torch.bfloat16)
+    assert torch.equal(pipe([0, 1], **kw), loaded([0, 1], num_steps=2, output_type="tokens", generator=G(3)))
+    with pytest.raises(TypeError, match="floating-point torch.dtype"):
+        pipe.to(dtype=torch.int64)
+
+
+def test_a_backend_that_cannot_serve_the_sampler_is_refused_up_front(tiny_pipeline):
+    # it failed at the first sampling step
+    with pytest.raises(ValueError, match="backend='compiled' cannot serve the sampler's op"):
+        tiny_pipeline([0], num_steps=2, output_type="tokens", backend="compiled")
