@@ -250,6 +250,20 @@ def test_teacher_multiplies_in_the_students_precision(student_dtype):
         assert torch.allclose(out["l_cm"], ref["l_cm"], rtol=0.05), (out["l_cm"], ref["l_cm"])
 
 
+def test_an_outer_autocast_reaches_the_teacher():
+    """With fp32 weights under the caller's bf16 autocast (the train-step benchmarks), the teacher's own
+    context was a disabled autocast, which switched the caller's off: fp32 matmuls again."""
+    net, teacher, x, y = _setup()
+    seen = []
+    hooks = [m.head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+             for m in (net.denoiser, teacher.denoiser)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        training_losses(net, teacher, ShiftedCosineSchedule(), x, y, LossConfig(), generator=torch.Generator().manual_seed(1))
+    for h in hooks:
+        h.remove()
+    assert seen == [torch.bfloat16, torch.bfloat16]  # student, teacher
+
+
 def test_ema_keeps_its_own_float32_positions_under_a_bf16_source():
     """The denoiser's positions are a non-persistent buffer the model rebuilds; copying a bf16 student's
     rounded them in the fp32 teacher and sampling EMA."""

@@ -7,6 +7,7 @@ switch of the paper is a field of :class:`LossConfig`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -93,9 +94,11 @@ def _teacher_autocast(student_dtype: torch.dtype, teacher: VQLCMDNetwork, device
     Autocast keeps the weights fp32 and multiplies in the student's precision.
     """
     params = next(teacher.parameters(), None)
-    low = student_dtype in (torch.bfloat16, torch.float16)
-    enabled = low and params is not None and params.dtype == torch.float32
-    return torch.autocast(device.type, dtype=student_dtype if low else torch.bfloat16, enabled=enabled)
+    if student_dtype in (torch.bfloat16, torch.float16) and params is not None and params.dtype == torch.float32:
+        return torch.autocast(device.type, dtype=student_dtype)
+    # nothing, not a disabled autocast: that would switch off an autocast the caller runs the step under
+    # (the benchmarks' fp32 weights under bf16 autocast)
+    return contextlib.nullcontext()
 
 
 def training_losses(
