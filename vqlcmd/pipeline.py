@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import hashlib
 import os
-import uuid
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from . import ops
 from .model import DenoiserConfig
@@ -60,7 +60,7 @@ class VQLCMDPipeline:
         # Both files are written under temporary names and renamed in, so neither is ever half written. The
         # two renames are not one step: both carry the same save id, and a reader that meets the new weights
         # with the old config (the trainer re-exports with every checkpoint) is told, not given a mix.
-        save_id = uuid.uuid4().hex
+        save_id = _content_id(state, config)  # the same save twice: the same bytes (sample.py hashes them)
         config[SAVE_ID] = save_id
         save_file(state, str(folder / (WEIGHTS + ".tmp")), metadata={SAVE_ID: save_id})
         (folder / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2, default=str))
@@ -92,9 +92,9 @@ class VQLCMDPipeline:
                              "with VQLCMDPipeline.from_pretrained")
         network = VQLCMDNetwork(den_cfg, l2_normalize=l2_normalize)
         try:
-            state = load_file(str(folder / WEIGHTS))
-            with safe_open(str(folder / WEIGHTS), framework="pt") as f:
+            with safe_open(str(folder / WEIGHTS), framework="pt") as f:  # one open: tensors and id of one file
                 weights_id = (f.metadata() or {}).get(SAVE_ID)
+                state = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as exc:  # safetensors' errors name neither the file nor what to do
             raise ValueError(f"{folder / WEIGHTS}: unreadable weights, truncated or corrupt ({exc}); export the "
                              "pipeline again (scripts/train.py writes one with every checkpoint)") from exc
@@ -330,6 +330,15 @@ class _SamplingDenoiser(torch.nn.Module):
 
     def forward(self, z, t, y=None):
         return self.inner(z.to(self.inner.in_proj.weight.dtype), t, y)
+
+
+def _content_id(state: dict, config: dict) -> str:
+    """A digest of the weights and the config: equal saves get equal ids (and files), different ones not."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].numpy())  # (contiguous float32: hashed as it lies in memory)
+    return h.hexdigest()[:32]
 
 
 def default_batch_size(device: torch.device) -> int:

@@ -224,14 +224,19 @@ def test_weights_and_config_of_different_saves_are_refused(tiny_pipeline, tmp_pa
     trainer re-exports with every checkpoint) met new weights with the old config, loaded silently when the
     sizes matched. Both files carry one save id now."""
     folder = tiny_pipeline.save_pretrained(tmp_path / "p")
-    old_config = (folder / "config.json").read_text()
-    tiny_pipeline.save_pretrained(folder)  # the same sizes: nothing else would tell the two saves apart
+    old_config, old_weights = (folder / "config.json").read_text(), (folder / "model.safetensors").read_bytes()
+    tiny_pipeline.save_pretrained(folder)  # the same save again: the same bytes (sample.py hashes the weights)
+    assert (folder / "model.safetensors").read_bytes() == old_weights
+    other = VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
+    with torch.no_grad():
+        next(other.network.parameters()).add_(0.01)  # other weights of the same sizes: nothing else tells them apart
+    other.save_pretrained(folder)
     (folder / "config.json").write_text(old_config)  # as a reader between the two renames sees the folder
     with pytest.raises(ValueError, match="come from different saves"):
         VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
-    tiny_pipeline.save_pretrained(folder)
+    other.save_pretrained(folder)
     pipe = VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False)
-    assert "save_id" not in pipe.extra_config  # a fresh id per save, not carried over as extra config
+    assert "save_id" not in pipe.extra_config  # an id per save, not carried over as extra config
 
 
 def test_float64_weights_sample_without_autocast(tiny_pipeline, tmp_path):
