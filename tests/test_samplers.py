@@ -185,3 +185,7 @@ def test_sampler_arguments_are_checked_as_the_pipeline_checks_them():
         sample_tokens(den, table, sched, class_labels=[0], num_steps=2, seq_len=0)
     with pytest.raises(TypeError, match="num_steps must be an integer, got 2.5"):
         sample_tokens(den, table, sched, class_labels=[0], num_steps=2.5)
+    # a compiled denoiser does not range-check labels (a host sync): the sampler does
+    with pytest.raises(ValueError, match=r"class_labels must be in \[0, 4\] \(4 = the null class\), got \[5\]"):
+        sample_tokens(den, table, sched, class_labels=[5], num_steps=2)
+    assert sample_tokens(den, table, sched, class_labels=[4], num_steps=1).shape == (1, 16)  # the null class

@@ -116,7 +116,12 @@ def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: 
     if class_labels is not None:
         if num_classes == 0:
             raise ValueError("class_labels given to an unconditional model")
-        y = class_label_tensor(class_labels, None).to(device)  # a list, or floats that are integers
+        y = class_label_tensor(class_labels, None)  # a list, or floats that are integers
+        # here, since a compiled denoiser does not check (a host sync): num_classes is the null class
+        if y.numel() and (y.min() < 0 or y.max() > num_classes):
+            raise ValueError(f"class_labels must be in [0, {num_classes}] ({num_classes} = the null class), "
+                             f"got {y.tolist()[:8]}")
+        y = y.to(device)
         B = y.shape[0]
     else:
         if num_samples is None:

@@ -162,7 +162,9 @@ def test_auto_attention_takes_flash_only_where_it_runs(monkeypatch, capability, 
 @pytest.mark.parametrize("override, message", [
     ({"width": 129, "heads": 3}, "width must be even"), ({"width": 130, "heads": 4}, "divisible by heads"),
     ({"time_features": 255}, "time_features must be even"), ({"attn_dropout": 1.0}, r"attn_dropout must be in \[0, 1\)"),
-    ({"attention_backend": "flash"}, "attention_backend must be one of"), ({"norm_impl": "fused"}, "norm_impl must be")])
+    ({"attention_backend": "flash"}, "attention_backend must be one of"), ({"norm_impl": "fused"}, "norm_impl must be"),
+    ({"heads": 0}, "heads must be an integer >= 1"), ({"width": 0}, "width must be an integer >= 1"),
+    ({"num_classes": -1}, "num_classes must be an integer >= 0")])
 def test_config_refuses_sizes_the_forward_cannot_run(override, message):
     """Each of these built a model that failed in its first forward, with a shape error naming no setting."""
     with pytest.raises(ValueError, match=message):

@@ -58,6 +58,13 @@ class DenoiserConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.norm_impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl must be one of {NORM_IMPLS}, got {self.norm_impl!r}")
+        for name in ("codebook_size", "embed_dim", "seq_len", "width", "depth", "heads", "time_features"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not (isinstance(self.num_classes, int) and self.num_classes >= 0):
+            raise ValueError(f"num_classes must be an integer >= 0, got {self.num_classes!r}")
+        if not self.mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio!r}")
         if self.width % self.heads:
             raise ValueError(f"width {self.width} must be divisible by heads {self.heads}")
         for name in ("width", "time_features"):  # sinusoidal features come in cos/sin pairs
