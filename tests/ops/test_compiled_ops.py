@@ -723,6 +723,7 @@ def test_short_attention_opcheck_and_compile(gen):
                                                        ("90", (8, 0), False), ("90", (9, 0), True),
                                                        ("90", (10, 0), True), ("90-real", (10, 0), False),
                                                        ("90a", (10, 0), False), ("80-real;90-virtual", (8, 6), True),
+                                                       ("10.0a", (10, 3), False), ("100a", (10, 0), True),
                                                        # names and suffixes it cannot read: the build is trusted
                                                        ("8.0;Hopper", (9, 0), True), ("10.0f", (9, 0), True)])
 def test_compiled_cuda_kernels_are_claimed_only_for_gpus_they_were_built_for(monkeypatch, archs, capability, serves):

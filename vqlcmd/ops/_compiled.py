@@ -72,13 +72,13 @@ def unsupported(*tensors: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _built_archs() -> tuple[tuple[int, int, bool], ...]:
+def _built_archs() -> tuple[tuple[int, int, bool, bool], ...]:
     return _parse_archs(str(build_info().get("cuda_arch_list", "")))
 
 
 @functools.lru_cache(maxsize=None)  # asked on every dispatch of a CUDA op
-def _parse_archs(text: str) -> tuple[tuple[int, int, bool], ...]:
-    """(major, minor, with PTX) of each architecture in an arch list: torch's form ("8.0;9.0+PTX", from
+def _parse_archs(text: str) -> tuple[tuple[int, int, bool, bool], ...]:
+    """(major, minor, with PTX, this exact GPU only) of each architecture in an arch list: torch's form ("8.0;9.0+PTX", from
     setup.py) or CMake's ("80;90a", "90-real", "90-virtual", from CMakeLists.txt; a bare number there
     embeds PTX too). Empty when any item is of neither form (a name such as "Hopper" or "native", a suffix
     such as "10.0f"): the build is then trusted."""
@@ -87,13 +87,15 @@ def _parse_archs(text: str) -> tuple[tuple[int, int, bool], ...]:
         name = item.strip().upper()
         if not name:
             continue
-        # (an "a" architecture's PTX runs on that architecture only: no PTX for later ones)
+        # an "a" architecture's code (and PTX) runs on exactly that architecture: not on later minors or majors
         torch_form = re.fullmatch(r"(\d+)\.(\d)(A?)(\+PTX)?", name)
         cmake_form = re.fullmatch(r"(\d+)(\d)(A?)(-REAL|-VIRTUAL)?", name)
         if torch_form:
-            out.append((int(torch_form[1]), int(torch_form[2]), torch_form[4] is not None and not torch_form[3]))
+            exact = bool(torch_form[3])
+            out.append((int(torch_form[1]), int(torch_form[2]), torch_form[4] is not None and not exact, exact))
         elif cmake_form:
-            out.append((int(cmake_form[1]), int(cmake_form[2]), cmake_form[4] != "-REAL" and not cmake_form[3]))
+            exact = bool(cmake_form[3])
+            out.append((int(cmake_form[1]), int(cmake_form[2]), cmake_form[4] != "-REAL" and not exact, exact))
         else:
             return ()
     return tuple(out)
@@ -101,12 +103,13 @@ def _parse_archs(text: str) -> tuple[tuple[int, int, bool], ...]:
 
 def _arch_mismatch(device: torch.device) -> Optional[str]:
     """Why the CUDA kernels cannot run on this GPU (None: they can). sm_XY code runs on X.Y and later minors
-    of major X; PTX also compiles for later majors. An unreadable list is trusted."""
+    of major X (sm_XYa on X.Y only); PTX also compiles for later majors. An unreadable list is trusted."""
     built = _built_archs()
     if not built:
         return None
     major, minor = torch.cuda.get_device_capability(device)
-    if any(m == major and n <= minor or ptx and (m, n) <= (major, minor) for m, n, ptx in built):
+    if any(m == major and (n == minor if exact else n <= minor) or ptx and (m, n) <= (major, minor)
+           for m, n, ptx, exact in built):
         return None
     return (f"vqlcmd._C's CUDA kernels were built for sm {build_info().get('cuda_arch_list')}, not this GPU's "
             f"{major}.{minor}: rebuild with TORCH_CUDA_ARCH_LIST=\"{major}.{minor}\" (the reference serves it meanwhile)")
