@@ -115,6 +115,18 @@ def test_categorical_kl_cuda_infinite_logits(K):
     torch.testing.assert_close(grad[:2], s.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("K", [7, 1000, 4096])  # the one-read register path, and the two-pass one past 2048
+def test_categorical_kl_cuda_nan_or_inf_teacher_is_nan(K):
+    """A NaN or +inf teacher logit makes p NaN: such a term is not one of p = 0, so the row's KL is NaN (the
+    header's kl_term / kl_sums_add test p == 0, not p > 0), as on the CPU and in the reference."""
+    g = torch.Generator(CUDA).manual_seed(10)
+    teacher = torch.randn(3, K, device=CUDA, generator=g)
+    student = torch.randn(3, K, device=CUDA, generator=g)
+    teacher[0, K // 2], teacher[1, 0] = float("nan"), float("inf")
+    kl = ops.categorical_kl(teacher, student, backend="compiled")
+    assert kl[:2].isnan().all() and torch.isfinite(kl[2])
+
+
 def test_categorical_kl_cuda_extreme_logits_register_path():
     """Logits of +-1e4 on the one-read path (K <= 2048), fp32 and bf16, against float64."""
     g = torch.Generator(CUDA).manual_seed(9)
