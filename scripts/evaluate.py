@@ -177,7 +177,11 @@ def evaluate_digits(args) -> dict:
         _, batches = image_source(src, 1 << 30)
         try:  # the layouts and dtype the Inception path takes: an NCHW array lost its width axis here, and a
             # float one in [0, 1] was divided by 255 again, both scored as garbage with exit 0
-            images = as_uint8_nchw(next(iter(batches))).float().mean(1).numpy()  # RGB-repeated grey: one channel
+            images = next(iter(batches), None)
+            if images is None or not len(images):
+                raise SystemExit(f"{src}: no images")
+            images = images[..., None] if images.ndim == 3 else images  # (N, H, W) grey
+            images = as_uint8_nchw(images).float().mean(1).numpy()  # RGB-repeated grey: one channel
         except ValueError as exc:
             raise SystemExit(f"{src}: {exc}") from None
     x = torch.as_tensor(np.asarray(images, dtype=np.float32) / 255.0)[:, None]

@@ -153,6 +153,8 @@ class VQLCMDPipeline:
         ``dtype`` (float32, bfloat16, float16) is the weights': 16-bit ones sample under autocast, as with
         ``from_pretrained(dtype=...)``. Fast sampling is switched off: its compiled graphs belong to the old
         device and dtype (call ``enable_fast_sampling`` again)."""
+        if isinstance(device, torch.dtype):  # pipe.to(torch.float16), as diffusers takes it
+            device, dtype = None, device
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.network = self.network.to(device=device, dtype=dtype)
@@ -196,12 +198,14 @@ class VQLCMDPipeline:
         "reference" or "triton"; the compiled backend has no such op.
         """
         batch_size = self._batch_size(batch_size)
-        if backend != "auto" and backend not in ops.BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {ops.BACKENDS}, got {backend!r}")
-        if backend != "auto" and backend not in ops.available_backends("softmax_embedding_average"):
-            # found only at the first sampling step
-            raise ValueError(f"backend={backend!r} cannot serve the sampler's op softmax_embedding_average "
-                             f"(available: {ops.available_backends('softmax_embedding_average')})")
+        if backend != "auto":  # else found only at the first sampling step
+            if backend not in ops.BACKENDS:
+                raise ValueError(f"backend must be 'auto' or one of {ops.BACKENDS}, got {backend!r}")
+            table = self.network.embedding.table()[:self.network.config.codebook_size]
+            probe = torch.empty(1, table.shape[0], device=self.device)  # the sampler's logits are float32
+            why = ops.why_not("softmax_embedding_average", backend, probe, table)
+            if why is not None:
+                raise ValueError(f"backend={backend!r} cannot serve the sampler's softmax_embedding_average: {why}")
         d = self.sample_defaults
         num_steps = d.get("num_steps", 50) if num_steps is None else num_steps  # 0 is refused, not the default
         sampler = sampler or d.get("sampler", "ancestral")

@@ -65,6 +65,9 @@ def test_digits_mode_on_real_digits(evaluate, tmp_path, capsys):
     np.savez(tmp_path / "float.npz", arr_0=arr[..., None] / 255.0, arr_1=labels[idx].numpy())
     with pytest.raises(SystemExit, match=r"float\.npz: images must be uint8"):
         evaluate.main([str(tmp_path / "float.npz"), "--digits"])
+    np.savez(tmp_path / "grey.npz", arr_0=arr, arr_1=labels[idx].numpy())  # (N, H, W)
+    evaluate.main([str(tmp_path / "grey.npz"), "--digits", "--json", str(tmp_path / "r4.json")])
+    assert json.loads((tmp_path / "r4.json").read_text())["accuracy"] == pytest.approx(r["accuracy"])
 
 
 def test_inception_metrics_on_given_features():
