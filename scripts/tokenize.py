@@ -37,8 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--check-images", default="header", choices=["none", "header", "decode"],
                    help="skip unreadable files up front: header parse (default) or full decode")
     p.add_argument("--num-threads", type=positive_int, default=4, help="decoding threads")
-    p.add_argument("--steps", type=positive_int, default=1000, help="--dataset digits: tokenizer training steps (default 1000; the quick start's "
-                   "config, ds_digits.json, uses 400)")
+    p.add_argument("--steps", type=positive_int, default=1000,
+                   help="--dataset digits: tokenizer training steps (default 1000; the quick start's config, "
+                        "ds_digits.json, uses 400)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 

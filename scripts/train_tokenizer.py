@@ -64,8 +64,8 @@ def parse_args(argv=None):
                                             ("--code-dim", args.code_dim != p.get_default("code_dim")),
                                             ("--channels-per-block", blocks != default_blocks)) if changed]
         if ignored:
-            p.error(f"{', '.join(ignored)}: --dataset digits without --out trains the digits data set's cached tokenizer, "
-                    "which takes only --steps, --seed, --size and --batch-size; give --out DIR to train one with "
+            p.error(f"{', '.join(ignored)}: --dataset digits without --out trains the digits data set's cached "
+                    "tokenizer, which takes only --steps, --seed, --size and --batch-size; give --out DIR to train one with "
                     "these settings")
     return args
 

@@ -78,8 +78,8 @@ def _built_archs() -> tuple[tuple[int, int, bool, bool], ...]:
 
 @functools.lru_cache(maxsize=None)  # asked on every dispatch of a CUDA op
 def _parse_archs(text: str) -> tuple[tuple[int, int, bool, bool], ...]:
-    """(major, minor, with PTX, this exact GPU only) of each architecture in an arch list: torch's form ("8.0;9.0+PTX", from
-    setup.py) or CMake's ("80;90a", "90-real", "90-virtual", from CMakeLists.txt; a bare number there
+    """(major, minor, with PTX, this exact GPU only) of each architecture in an arch list: torch's form
+    ("8.0;9.0+PTX", from setup.py) or CMake's ("80;90a", "90-real", "90-virtual", from CMakeLists.txt; a bare number there
     embeds PTX too). Empty when any item is of neither form (a name such as "Hopper" or "native", a suffix
     such as "10.0f"): the build is then trusted."""
     out = []
