@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from vqlcmd.cli import positive_float, positive_int  # noqa: E402
+from vqlcmd.cli import positive_float, positive_int, seed_int  # noqa: E402
 from vqlcmd.diffusion import LossConfig, training_losses  # noqa: E402
 from vqlcmd.ema import EMA  # noqa: E402
 from vqlcmd.embedding import collapse_indicator  # noqa: E402
@@ -82,9 +82,11 @@ def main(argv=None):
     p.add_argument("--batch", type=positive_int, default=32)
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--shift", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--plot", default=None, help="PNG path for the indicator-vs-steps plot")
     args = p.parse_args(argv)
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():  # else found after both training runs
+        p.error(f"--plot {args.plot}: no folder {Path(args.plot).resolve().parent}")
     den_cfg = preset_config(args.preset, attn_dropout=0.0)
     t0 = time.perf_counter()
     curves = {beta: run(beta, args, den_cfg) for beta in (1.0, 0.0)}

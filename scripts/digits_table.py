@@ -31,12 +31,17 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from vqlcmd.cli import choices_list, comma_list, non_negative_float, positive_int  # noqa: E402
+from vqlcmd.cli import choices_list, comma_list, non_negative_float, positive_int, seed_int  # noqa: E402
 from vqlcmd.samplers import SAMPLERS  # noqa: E402
 
 
 def digest(folder: Path) -> str:
-    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()[:16]
+    """The cache key of a pipeline: its weights and its config.json (schedule, sample defaults, tokenizer), but
+    not the save id, which hand edits of the config leave as it was."""
+    config = {k: v for k, v in json.loads((folder / "config.json").read_text()).items() if k != "save_id"}
+    h = hashlib.sha256((folder / "model.safetensors").read_bytes())
+    h.update(json.dumps(config, sort_keys=True).encode())
+    return h.hexdigest()[:16]
 
 
 def cell_key(c: dict) -> tuple:
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--samplers", type=choices_list(SAMPLERS), default=list(SAMPLERS))
     p.add_argument("--guidance", type=comma_list(non_negative_float), default=[0.0, 1.0, 2.0])
     p.add_argument("--per-class", type=positive_int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--batch-size", type=positive_int, default=250)
     p.add_argument("--machine", default=None, help="words for the machine the times were measured on")
     p.add_argument("--note", default=None, help="a paragraph printed under the model line (e.g. its status)")

@@ -61,3 +61,11 @@ def test_scripts_refuse_bad_numbers_with_a_usage_error(capsys, load_script):
     with pytest.raises(SystemExit) as exc:
         mod.main(["--every", "0"])  # was a ZeroDivisionError after the first step
     assert exc.value.code == 2 and "--every: must be a positive integer, got 0" in capsys.readouterr().err
+    # found only after both training runs (2 min at 20 steps)
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--plot", "/nonexistent-folder/cs.png"])
+    assert exc.value.code == 2 and "no folder /nonexistent-folder" in capsys.readouterr().err
+    # digits_table packs (seed << 32) | image into an int64
+    with pytest.raises(SystemExit) as exc:
+        load_script("digits_table").main(["--pipeline", "x", "--seed", str(2 ** 32)])
+    assert exc.value.code == 2 and "must be an integer in [0, 2**31)" in capsys.readouterr().err

@@ -14,6 +14,27 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """A seed: an integer in [0, 2**31) (numpy's SeedSequence refuses negatives, and the scripts pack seeds
+    into 64-bit values)."""
+    value = int(text)
+    if not 0 <= value < 2 ** 31:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**31), got {value}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def _finite(text: str, ok, what: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and ok(value)):

@@ -272,6 +272,7 @@ def test_set_applies_before_the_methods_switches(tmp_path, monkeypatch):
     ({"train": {"backend": "foo"}}, r"vqlcmd\.train: backend must be one of auto, reference, compiled, triton"),
     ({"schedule": {"t_min": 0.6}}, r"vqlcmd\.schedule: t_min must be in \(0, 0\.5\)"),
     ({"loss": {"beta_cm": -1}}, r"vqlcmd\.loss: beta_cm must be a finite number >= 0"),
+    ({"train": {"seed": -1}}, r"vqlcmd\.train: seed must be an integer in \[0, 2\*\*31\)"),
 ])
 def test_values_that_failed_late_are_config_errors(section, match):
     """Each passed the config and failed at the first preview grid (before the first checkpoint), at the

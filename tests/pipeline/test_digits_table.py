@@ -24,3 +24,20 @@ def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys, load_s
     printed = capsys.readouterr().out
     assert "3 steps" in printed and " 1 steps" not in printed and " 2 steps" not in printed
     assert len([line for line in out.read_text().splitlines() if line.startswith("| ddim")]) == 6
+
+
+def test_digits_table_cache_key_covers_the_pipelines_config(tmp_path, tiny_pipeline, load_script):
+    """It hashed the weights only: a pipeline with another schedule shift took the cached cells."""
+    import json
+
+    mod = load_script("digits_table")
+    folder = tiny_pipeline.save_pretrained(tmp_path / "p")
+    key = mod.digest(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["schedule"]["shift"] = 3.0
+    (folder / "config.json").write_text(json.dumps(config))
+    assert mod.digest(folder) != key
+    config["schedule"]["shift"], config["save_id"] = tiny_pipeline.schedule.shift, "another"
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    assert mod.digest(folder) == key  # neither the save id nor the file's layout
+

@@ -147,6 +147,7 @@ class TrainSection:
     def __post_init__(self):
         # 0 switches the grids and intermediate checkpoints off (the final checkpoint is always written)
         _require(self, (("steps", lambda v: v >= 1, "a positive integer"),
+                        ("seed", lambda v: 0 <= v < 2 ** 31, "an integer in [0, 2**31)"),
                         ("log_every", lambda v: v >= 1, "a positive integer"),
                         ("sample_every", lambda v: v >= 0, "a non-negative integer (0: off)"),
                         ("checkpoint_every", lambda v: v >= 0, "a non-negative integer (0: off)"),
