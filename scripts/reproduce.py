@@ -15,6 +15,7 @@ reused, so an interrupted or extended run continues), ``tables.md`` (mean ± std
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -28,8 +29,9 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
-from vqlcmd.cli import positive_int  # noqa: E402
-from vqlcmd.engine.config import load_config, parse_vqlcmd_section  # noqa: E402
+from vqlcmd.cli import json_object, non_negative_float, positive_int, seed_int  # noqa: E402
+from vqlcmd.engine.checkpoint import atomic_write_text  # noqa: E402
+from vqlcmd.engine.config import load_config, parse_vqlcmd_section, resolve_config_path  # noqa: E402
 
 # row name -> (label, vqlcmd-section overrides). VQ-LCMD rows also get --ns-shift (the "NS" of the paper).
 ROWS = {
@@ -81,12 +83,62 @@ def _set(section: dict, dotted: str, value) -> None:
     section[last] = value
 
 
+def read_records(path: Path) -> list[dict]:
+    """results.jsonl's records. A last line cut short (a kill or a full disk during the append) is dropped
+    with a warning, so the run continues; a bad line before it is an error naming the file and line."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines):
+                print(f"warning: {path}:{i} is cut short ({exc}); dropped, its run is redone", file=sys.stderr)
+            else:
+                raise SystemExit(f"{path}:{i}: not a JSON record ({exc})") from None
+    return records
+
+
+def append_records(path: Path, records: list[dict]) -> None:
+    """One write of whole lines, flushed to disk: a kill leaves at most one cut-short last line."""
+    if not records:
+        return
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _budget(args) -> tuple:
     return args.steps, args.batch, args.bf16
 
 
 def _record_budget(r: dict) -> tuple:
     return r["train_steps"], r["batch"], r.get("bf16", False)  # records before the bf16 field were fp32
+
+
+def setup_id(args) -> str:
+    """A digest of the settings besides the budget that change a run's results. A record is reused, and put
+    in a table, only under the setup that made it: a rerun with another shift, model, image size or sample
+    count took the old numbers under a header naming the new settings, and mixed two setups in one table.
+    Records written before it carry no setup and count as this one's (the committed ones in docs/)."""
+    config = resolve_config_path(args.config).read_bytes()
+    settings = {"config": hashlib.sha256(config).hexdigest(), "ns_shift": args.ns_shift, "per_class": args.per_class,
+                "model_overrides": args.model_overrides, "eval_batch": args.eval_batch,
+                "digits": [args.digits_size, args.tokenizer_steps] if args.digits_size else None}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _record_key(r: dict) -> tuple:
+    return (r["row"], r["seed"], *_record_budget(r), r["kind"], r["sample_steps"], r["sampler"])
+
+
+def _same_setup(r: dict, setup: str) -> bool:
+    return r.get("setup", setup) == setup
 
 
 def row_config(row: str, seed: int, args):
@@ -109,7 +161,8 @@ def row_config(row: str, seed: int, args):
     for key, value in ROWS[row][1].items():
         _set(section, key, value)
     precision = "-bf16" if args.bf16 else ""
-    run_dir = args.out / "runs" / row / f"seed{seed}-steps{args.steps}-batch{args.batch}{precision}"
+    # the setup in the name: a run of another setup is not resumed as this one
+    run_dir = args.out / "runs" / row / f"seed{seed}-steps{args.steps}-batch{args.batch}{precision}-{args.setup}"
     for key, value in {"train.steps": args.steps, "train.seed": seed, "train.output_dir": str(run_dir.resolve()),
                        "train.sample_every": 0, "train.checkpoint_every": args.checkpoint_every,
                        "train.log_every": max(1, min(50, args.steps)), "train.keep_checkpoints": 1}.items():
@@ -151,6 +204,10 @@ def pending_evals(row: str, seed: int, args, done) -> list[tuple]:
     return [e for e in evals if (row, seed, *_budget(args), *e) not in done]
 
 
+def main_steps_of(row: str, args) -> int:
+    return args.main_steps_maskgit if ROWS[row][1].get("method", "vqlcmd") == "maskgit" else args.main_steps
+
+
 def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
     """Train (or reuse) one row x seed and evaluate it; returns the new result records."""
     from vqlcmd.engine.trainer import Trainer
@@ -171,6 +228,7 @@ def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
     for kind, steps, sampler in todo:
         metrics = evaluate(pipe, method, steps, sampler, seed, args)
         rec = {"row": row, "seed": seed, "train_steps": args.steps, "batch": args.batch, "bf16": args.bf16,
+               "setup": args.setup,
                "kind": kind, "sample_steps": steps, "sampler": sampler, "method": method,
                "guidance": pipe.sample_defaults.get("guidance_scale"), "train_seconds": round(train_s, 1),
                "final_losses": last, **metrics}
@@ -186,7 +244,7 @@ def _worker(row: str, seed: int, args, done: dict) -> list[dict]:
     return run_one(row, seed, args, done, lambda msg: print(msg, flush=True))
 
 
-def _run_jobs(jobs, args, done: dict, log):
+def _run_jobs(jobs, args, done: dict, log, failed: list):
     """Yields each (row, seed) job's new records as it finishes; ``--jobs N`` runs N at once, each in a fresh
     process (a small model leaves a GPU, or a many-core CPU, mostly idle), and ``--time-limit`` starts no
     job after that many seconds, so a bounded session ends with whole runs only."""
@@ -219,8 +277,23 @@ def _run_jobs(jobs, args, done: dict, log):
                 break
             finished, _ = wait(running, timeout=5, return_when=FIRST_COMPLETED)
             for fut in finished:
-                running.pop(fut)
-                yield fut.result()
+                row, seed = running.pop(fut)
+                try:
+                    new = fut.result()
+                except Exception as exc:  # one run's failure: the runs beside it still finish and are recorded
+                    log(f"{row} seed {seed} failed: {type(exc).__name__}: {exc}")
+                    failed.append((row, seed))
+                    continue
+                yield new
+
+
+def _current(records: list[dict], args) -> list[dict]:
+    """The records of this budget and setup, the last one of each key (a repeated seed was counted twice)."""
+    kept = {}
+    for r in records:
+        if _record_budget(r) == _budget(args) and _same_setup(r, args.setup):
+            kept[_record_key(r)] = r
+    return list(kept.values())
 
 
 def _finite(values) -> list:
@@ -239,7 +312,8 @@ def _fmt(values, digits: int) -> str:
 def write_tables(records: list[dict], args, header: str) -> str:
     from vqlcmd.metrics.digits import real_reference
 
-    main = [r for r in records if r["kind"] == "main" and _record_budget(r) == _budget(args)]
+    records = _current(records, args)
+    main = [r for r in records if r["kind"] == "main" and r["sample_steps"] == main_steps_of(r["row"], args)]
     lines = [header, ""]
     for title, paper, rows in TABLES:
         present = [(row, label) for row, label in rows if any(r["row"] == row for r in main)]
@@ -254,7 +328,7 @@ def write_tables(records: list[dict], args, header: str) -> str:
             cells = [_fmt(_finite([r.get(k) for r in rs]), d) for k, _, d in METRICS]
             lines.append(f"| {label or ROWS[row][0]} | {len(rs)} | {sampler} | " + " | ".join(cells) + " |")
         lines.append("")
-    few = [r for r in records if r["kind"] == "few_steps" and _record_budget(r) == _budget(args)]
+    few = [r for r in records if r["kind"] == "few_steps"]
     if few:
         steps = sorted({r["sample_steps"] for r in few})
         lines += ["### Few sampling steps (cf. paper Table \"maskgit:imagenet\"): FID ↓ / accuracy ↑", "",
@@ -270,7 +344,7 @@ def write_tables(records: list[dict], args, header: str) -> str:
         ref = json.loads(ref_file.read_text())
     else:  # fitting the metric's feature net takes minutes on a loaded CPU: do it once per size
         ref = real_reference(args.image_size)
-        ref_file.write_text(json.dumps(ref))
+        atomic_write_text(ref_file, json.dumps(ref))
     lines += [f"Real-data floor (two halves of the real digits, {ref['num_samples']} each): FID {ref['fid']:.2f}, "
               f"precision {ref['precision']:.2f}, recall {ref['recall']:.2f}.", ""]
     return "\n".join(lines)
@@ -282,7 +356,7 @@ def plot_few_steps(records: list[dict], args, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    few = [r for r in records if r["kind"] == "few_steps" and _record_budget(r) == _budget(args)]
+    few = [r for r in _current(records, args) if r["kind"] == "few_steps"]
     if not few:
         return False
     steps = sorted({r["sample_steps"] for r in few})
@@ -303,7 +377,9 @@ def plot_few_steps(records: list[dict], args, path: Path) -> bool:
     axes[0].set_yscale("log")
     fig.suptitle(f"digits, {args.steps} training steps x batch {args.batch}, mean ± std over seeds")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
     plt.close(fig)
     return True
 
@@ -313,7 +389,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="ds_digits.json", help="base config (a path or a name in configs/)")
     p.add_argument("--out", type=Path, default=Path("runs/reproduce"))
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), metavar="ROW")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--seeds", nargs="+", type=seed_int, default=[0, 1, 2])
     p.add_argument("--steps", type=positive_int, default=3000, help="training steps per run (the budget)")
     p.add_argument("--batch", type=positive_int, default=64, help="micro-batch per step")
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -331,10 +407,11 @@ def main(argv=None) -> int:
                    help="images per sampling batch (default: the pipeline's, by device)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (per run with --jobs)")
     p.add_argument("--jobs", type=positive_int, default=1, help="runs trained at once, each in its own process")
-    p.add_argument("--time-limit", type=float, default=None, help="seconds after which no new run starts")
-    p.add_argument("--model-overrides", type=json.loads, default={},
+    p.add_argument("--time-limit", type=non_negative_float, default=None,
+                   help="seconds after which no new run starts")
+    p.add_argument("--model-overrides", type=json_object, default={},
                    help='DenoiserConfig fields for every row, e.g. \'{"width": 64, "depth": 2}\'')
-    p.add_argument("--digits-size", type=int, default=None,
+    p.add_argument("--digits-size", type=positive_int, default=None,
                    help="prepare the digits tokenizer at this size (px) instead of the config's data section; "
                         "16 gives 4x4 = 16 tokens (the default digits data set is 32 px, 8x8 tokens)")
     p.add_argument("--tokenizer-steps", type=positive_int, default=1000, help="training steps of that tokenizer")
@@ -344,6 +421,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="CI: every row, one seed, 2 training steps, 2 samples per class, few steps 1 2 4")
     args = p.parse_args(argv)
+    if args.digits_size is not None and args.digits_size % 4:  # the tokenizer halves the image twice
+        p.error(f"--digits-size must be a multiple of 4 (the tokenizer downsamples by 4), got {args.digits_size}")
+    # a repeated seed, row or step count ran again and counted as another seed
+    args.seeds, args.rows, args.few_steps = (list(dict.fromkeys(v)) for v in (args.seeds, args.rows, args.few_steps))
     if args.quick:
         args.seeds, args.steps, args.per_class, args.batch = args.seeds[:1], 2, 2, 8
         args.main_steps, args.main_steps_maskgit, args.few_steps = 4, 2, [1, 2, 4]
@@ -365,10 +446,10 @@ def main(argv=None) -> int:
         args.data = {"shards": info["shards"], "tokenizer": info["tokenizer"], "seq_len": int(grid[0]) * int(grid[1])}
         print(f"digits at {args.digits_size} px: tokenizer {info['tokenizer']} (PSNR {info['psnr']:.1f} dB, "
               f"{info['codebook_usage']}/{info['codebook_size']} codes)")
+    args.setup = setup_id(args)
     results = args.out / "results.jsonl"
-    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()] \
-        if results.is_file() else []
-    done = {(r["row"], r["seed"], *_record_budget(r), r["kind"], r["sample_steps"], r["sampler"]) for r in records}
+    records = read_records(results)
+    done = {_record_key(r) for r in records if _same_setup(r, args.setup)}
 
     def log(msg):
         print(msg, flush=True)
@@ -380,26 +461,31 @@ def main(argv=None) -> int:
     if len(pending) < len(jobs):
         log(f"{len(jobs) - len(pending)} of {len(jobs)} runs already in {results}: not rerun")
     jobs = pending
-    for new in _run_jobs(jobs, args, done, log):
-        with open(results, "a") as f:
-            for rec in new:
-                f.write(json.dumps(rec) + "\n")
+    failed = []
+    for new in _run_jobs(jobs, args, done, log, failed):
+        append_records(results, new)
         records += new
+        done.update(_record_key(r) for r in new)
     ds, base = load_config(args.config)
     sizes = {r.get("image_size") for r in records if r.get("image_size")}
     args.image_size = sizes.pop() if len(sizes) == 1 else 32
+    cur = _current(records, args)  # this budget and setup
     header = (f"Budget: {args.steps} training steps x batch {args.batch} per run in "
               f"{'bf16' if args.bf16 else 'fp32'}, seeds {args.seeds}, "
               f"{args.per_class} samples per class per evaluation, guidance ω = {base.sample.guidance_scale}, "
               f"VQ-LCMD shift {args.ns_shift}; base config {args.config}, preset {base.model.preset}"
               f"{' with ' + json.dumps(args.model_overrides) if args.model_overrides else ''}"
               f"{f', digits at {args.digits_size} px (tokenizer {args.tokenizer_steps} steps)' if args.digits_size else ''}. "
-              f"Wall time: {sum(r['sample_seconds'] for r in records) + sum({(r['row'], r['seed']): r['train_seconds'] for r in records}.values()):.0f} s of training and sampling.")
+              f"Wall time: {sum(r['sample_seconds'] for r in cur) + sum({(r['row'], r['seed']): r['train_seconds'] for r in cur}.values()):.0f} s of training and sampling.")
     text = write_tables(records, args, header)
-    (args.out / "tables.md").write_text(text)
+    atomic_write_text(args.out / "tables.md", text)
     plotted = plot_few_steps(records, args, args.out / "few_steps.png")
     print(text)
     print(f"tables -> {args.out / 'tables.md'}" + (f"; plot -> {args.out / 'few_steps.png'}" if plotted else ""))
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(f'{r} seed {s}' for r, s in failed)} (see above); the "
+              "others' results are in " + str(results), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -63,7 +63,72 @@ def test_reproduce_parallel_jobs_and_time_limit(tiny_config, tmp_path):
     assert bf16.returncode == 0, bf16.stderr[-3000:]
     after = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["row"], r["bf16"]) for r in after[len(records):]] == [("vqlcmd", True)]
-    assert sorted(p.name for p in (out / "runs" / "vqlcmd").iterdir()) == ["seed0-steps2-batch8",
-                                                                         "seed0-steps2-batch8-bf16"]
+    setup = after[-1]["setup"]  # one setup: the folders differ by precision only
+    assert sorted(p.name for p in (out / "runs" / "vqlcmd").iterdir()) == [f"seed0-steps2-batch8-{setup}",
+                                                                         f"seed0-steps2-batch8-bf16-{setup}"]
     tables = (out / "tables.md").read_text()
     assert "per run in bf16" in tables and "VQ-LCMD w/o L_CM" not in tables  # the fp32 rows are another budget
+
+
+def _module():
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("reproduce", REPO / "scripts" / "reproduce.py")
+    mod = module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _args(mod, *extra):
+    import argparse
+
+    ns = argparse.Namespace(config="ds_digits.json", ns_shift=-1.0, per_class=20, model_overrides={}, eval_batch=None,
+                            digits_size=16, tokenizer_steps=400, steps=1100, batch=64, bf16=False, main_steps=50,
+                            main_steps_maskgit=8)
+    for key, value in extra:
+        setattr(ns, key, value)
+    ns.setup = mod.setup_id(ns)
+    return ns
+
+
+def test_records_are_reused_and_tabled_only_under_the_setup_that_made_them(tmp_path):
+    """A rerun with another shift took the old records under a header naming the new shift, and two image
+    sizes or two main step counts were averaged in one row as if they were seeds; a repeated seed counted
+    twice. Records from before the setup field (docs/) count as the current setup's."""
+    mod = _module()
+    a, b = _args(mod), _args(mod, ("ns_shift", 0.0))
+    assert a.setup != b.setup and a.setup == _args(mod).setup
+    rec = dict(row="vqlcmd", seed=0, train_steps=1100, batch=64, bf16=False, kind="main", sample_steps=50,
+               sampler="ancestral")
+    records = [dict(rec, setup=a.setup, fid=1.0), dict(rec, setup=b.setup, fid=2.0), dict(rec, setup=a.setup, fid=3.0),
+               dict(rec, sample_steps=4, setup=a.setup, fid=4.0), dict(rec, seed=1, fid=5.0)]  # the last: no setup
+    cur = mod._current(records, a)
+    assert sorted(r["fid"] for r in cur) == [3.0, 4.0, 5.0]  # b's dropped, seed 0's repeat kept once (the last)
+    a.out, a.image_size = tmp_path, 16  # the real-data floor, cached: not fitted here
+    (tmp_path / "real_reference_16px.json").write_text(json.dumps(dict(fid=0.1, precision=0.9, recall=0.9,
+                                                                         num_samples=899)))
+    table = mod.write_tables(records, a, "h")
+    assert "| VQ-LCMD | 2 | ancestral 50 |" in table  # seeds 0 and 1 at 50 steps: not the 4-step evaluation
+
+
+def test_a_cut_short_last_record_is_dropped_and_a_bad_earlier_one_named(tmp_path, capsys):
+    import pytest
+
+    mod = _module()
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"row": "a"}\n{"row": "b"}\n{"row": "c", "fi')  # a kill during the append
+    assert [r["row"] for r in mod.read_records(path)] == ["a", "b"]
+    assert "results.jsonl:3 is cut short" in capsys.readouterr().err
+    path.write_text('{"row": "a"}\n{"ro\n{"row": "c"}\n')
+    with pytest.raises(SystemExit, match=r"results\.jsonl:2: not a JSON record"):
+        mod.read_records(path)
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path):
+    for extra, said in ((["--seeds", "-1"], "must be an integer in [0, 2**31)"),
+                        (["--digits-size", "10"], "--digits-size must be a multiple of 4"),
+                        (["--model-overrides", "[1]"], "must be a JSON object"),
+                        (["--time-limit", "nan"], "must be a finite number >= 0")):
+        res = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--out", str(tmp_path / "o"),
+                              *extra], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and said in res.stderr, (extra, res.stderr[-500:])
