@@ -29,7 +29,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
-from vqlcmd.cli import json_object, non_negative_float, positive_int, seed_int  # noqa: E402
+from vqlcmd.cli import json_object, non_negative_float, non_negative_int, positive_int, seed_int  # noqa: E402
 from vqlcmd.engine.checkpoint import atomic_write_text  # noqa: E402
 from vqlcmd.engine.config import load_config, parse_vqlcmd_section, resolve_config_path  # noqa: E402
 
@@ -98,6 +98,8 @@ def read_records(path: Path) -> list[dict]:
         except json.JSONDecodeError as exc:
             if i == len(lines):
                 print(f"warning: {path}:{i} is cut short ({exc}); dropped, its run is redone", file=sys.stderr)
+                # from the file too: the next append would otherwise continue the cut-short line
+                atomic_write_text(path, "".join(line + "\n" for line in lines[:-1]))
             else:
                 raise SystemExit(f"{path}:{i}: not a JSON record ({exc})") from None
     return records
@@ -126,8 +128,14 @@ def setup_id(args) -> str:
     in a table, only under the setup that made it: a rerun with another shift, model, image size or sample
     count took the old numbers under a header naming the new settings, and mixed two setups in one table.
     Records written before it carry no setup and count as this one's (the committed ones in docs/)."""
-    config = resolve_config_path(args.config).read_bytes()
-    settings = {"config": hashlib.sha256(config).hexdigest(), "ns_shift": args.ns_shift, "per_class": args.per_class,
+    config = json.loads(resolve_config_path(args.config).read_text())
+    # as data, not bytes (re-indenting the file is no new setup), without what row_config sets for every run
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "bf16"):
+        config.pop(key, None)
+    train = config.get("vqlcmd", {}).get("train", {})
+    for key in ("steps", "seed", "output_dir", "sample_every", "checkpoint_every", "log_every", "keep_checkpoints"):
+        train.pop(key, None)
+    settings = {"config": config, "ns_shift": args.ns_shift, "per_class": args.per_class,
                 "model_overrides": args.model_overrides, "eval_batch": args.eval_batch,
                 "digits": [args.digits_size, args.tokenizer_steps] if args.digits_size else None}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
@@ -255,21 +263,29 @@ def _run_jobs(jobs, args, done: dict, log, failed: list):
             if late():
                 log(f"time limit: {row} seed {seed} and later runs not started")
                 return
-            yield run_one(row, seed, args, done, log)
+            try:
+                new = run_one(row, seed, args, done, log)
+            except Exception as exc:  # one run's failure: the sweep goes on (KeyboardInterrupt still stops it)
+                log(f"{row} seed {seed} failed: {type(exc).__name__}: {exc}")
+                failed.append((row, seed))
+                continue
+            yield new
         return
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    # spawn: a forked CUDA context is unusable; one task per process: each run starts from a clean state
-    # (Python 3.11+; 3.10 has no max_tasks_per_child, and reuses a process for the next run: each run seeds
-    # its own generators, so only caches and allocator state carry over)
-    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
-    with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), **fresh) as pool:
-        queue, running = list(jobs), {}
+    # One single-worker pool per run: a fresh spawned process each (a forked CUDA context is unusable; each
+    # run starts from a clean state, on Python 3.10 too), and a worker that dies (an out-of-memory kill, a
+    # segfault) breaks only its own pool, where a shared pool's BrokenProcessPool lost every run beside it.
+    spawn = mp.get_context("spawn")
+    queue, running, pools = list(jobs), {}, {}
+    try:
         while queue or running:
             while queue and len(running) < args.jobs and not late():
                 row, seed = queue.pop(0)
-                running[pool.submit(_worker, row, seed, args, done)] = (row, seed)
+                pool = ProcessPoolExecutor(1, mp_context=spawn)
+                fut = pool.submit(_worker, row, seed, args, done)
+                running[fut], pools[fut] = (row, seed), pool
             if queue and late():
                 log(f"time limit: {len(queue)} runs not started ({', '.join(f'{r}/{s}' for r, s in queue)})")
                 queue = []
@@ -278,6 +294,7 @@ def _run_jobs(jobs, args, done: dict, log, failed: list):
             finished, _ = wait(running, timeout=5, return_when=FIRST_COMPLETED)
             for fut in finished:
                 row, seed = running.pop(fut)
+                pools.pop(fut).shutdown(wait=False)
                 try:
                     new = fut.result()
                 except Exception as exc:  # one run's failure: the runs beside it still finish and are recorded
@@ -285,6 +302,9 @@ def _run_jobs(jobs, args, done: dict, log, failed: list):
                     failed.append((row, seed))
                     continue
                 yield new
+    finally:
+        for pool in pools.values():  # (an interrupt: the runs in progress are not waited for)
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _current(records: list[dict], args) -> list[dict]:
@@ -392,7 +412,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", nargs="+", type=seed_int, default=[0, 1, 2])
     p.add_argument("--steps", type=positive_int, default=3000, help="training steps per run (the budget)")
     p.add_argument("--batch", type=positive_int, default=64, help="micro-batch per step")
-    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=0)
     p.add_argument("--bf16", choices=["false", "true", "auto"], default="false",
                    help="train in bf16 (auto: where the device has native bf16, see vqlcmd/engine/precision.py); "
                         "default fp32, as the committed records in docs/ were measured, whatever the base config says")
@@ -450,6 +470,10 @@ def main(argv=None) -> int:
     results = args.out / "results.jsonl"
     records = read_records(results)
     done = {_record_key(r) for r in records if _same_setup(r, args.setup)}
+    others = sum(not _same_setup(r, args.setup) for r in records)
+    if others:
+        print(f"{others} record(s) in {results} were made with other settings (setup id): not reused or tabled; "
+              f"this setup is {args.setup}", flush=True)
 
     def log(msg):
         print(msg, flush=True)

@@ -14,6 +14,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
 def seed_int(text: str) -> int:
     """A seed: an integer in [0, 2**31) (numpy's SeedSequence refuses negatives, and the scripts pack seeds
     into 64-bit values)."""
