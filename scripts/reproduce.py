@@ -202,18 +202,17 @@ def evaluate(pipe, method: str, steps: int, sampler: str, seed: int, args) -> di
     return out
 
 
+def main_steps_of(row: str, args) -> int:
+    return args.main_steps_maskgit if ROWS[row][1].get("method", "vqlcmd") == "maskgit" else args.main_steps
+
+
 def pending_evals(row: str, seed: int, args, done) -> list[tuple]:
     """The (kind, sample steps, sampler) evaluations of one row x seed that results.jsonl lacks."""
     method = ROWS[row][1].get("method", "vqlcmd")
-    evals = [("main", args.main_steps_maskgit if method == "maskgit" else args.main_steps,
-              "maskgit" if method == "maskgit" else "ancestral")]
+    evals = [("main", main_steps_of(row, args), "maskgit" if method == "maskgit" else "ancestral")]
     if row in FEW_STEP_ROWS and not args.no_few_steps:
         evals += [("few_steps", n, "maskgit" if method == "maskgit" else "ddim") for n in args.few_steps]
     return [e for e in evals if (row, seed, *_budget(args), *e) not in done]
-
-
-def main_steps_of(row: str, args) -> int:
-    return args.main_steps_maskgit if ROWS[row][1].get("method", "vqlcmd") == "maskgit" else args.main_steps
 
 
 def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
