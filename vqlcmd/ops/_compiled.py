@@ -79,25 +79,22 @@ def _built_archs() -> tuple[tuple[int, int, bool, bool], ...]:
 @functools.lru_cache(maxsize=None)  # asked on every dispatch of a CUDA op
 def _parse_archs(text: str) -> tuple[tuple[int, int, bool, bool], ...]:
     """(major, minor, with PTX, this exact GPU only) of each architecture in an arch list: torch's form
-    ("8.0;9.0+PTX", from setup.py) or CMake's ("80;90a", "90-real", "90-virtual", from CMakeLists.txt; a bare number there
-    embeds PTX too). Empty when any item is of neither form (a name such as "Hopper" or "native", a suffix
-    such as "10.0f"): the build is then trusted."""
+    ("8.0;9.0+PTX", from setup.py) or CMake's ("80;90a", "90-real", "90-virtual", from CMakeLists.txt; a
+    bare number there embeds PTX too). Empty when any item is of neither form (a name such as "Hopper" or
+    "native", a suffix such as "10.0f"): the build is then trusted."""
     out = []
     for item in text.replace(",", ";").replace(" ", ";").split(";"):
         name = item.strip().upper()
         if not name:
             continue
         # an "a" architecture's code (and PTX) runs on exactly that architecture: not on later minors or majors
-        torch_form = re.fullmatch(r"(\d+)\.(\d)(A?)(\+PTX)?", name)
-        cmake_form = re.fullmatch(r"(\d+)(\d)(A?)(-REAL|-VIRTUAL)?", name)
-        if torch_form:
-            exact = bool(torch_form[3])
-            out.append((int(torch_form[1]), int(torch_form[2]), torch_form[4] is not None and not exact, exact))
-        elif cmake_form:
-            exact = bool(cmake_form[3])
-            out.append((int(cmake_form[1]), int(cmake_form[2]), cmake_form[4] != "-REAL" and not exact, exact))
-        else:
+        # torch's form has PTX only with "+PTX"; CMake's has it unless "-real"
+        form = re.fullmatch(r"(\d+)\.(\d)(A?)(\+PTX)?", name) or re.fullmatch(r"(\d+)(\d)(A?)(-REAL|-VIRTUAL)?", name)
+        if form is None:
             return ()
+        major, minor, arch_a, suffix = form.groups()
+        ptx = suffix == "+PTX" if "." in name else suffix != "-REAL"
+        out.append((int(major), int(minor), ptx and not arch_a, bool(arch_a)))
     return tuple(out)
 
 
@@ -359,8 +356,7 @@ def _register_library() -> None:
     # The backward ops have no derivative of their own. Unregistered, autograd took them as constants under
     # create_graph=True and a second derivative came out silently wrong (torch only warned); now using one
     # raises, naming the op and the way out.
-    for name in ("noise_embeddings_backward", "categorical_kl_backward", "gelu_tanh_backward",
-                 "ada_layer_norm_backward", "short_attention_backward"):
+    for name in (op for op in OPS if op.endswith("_backward")):
         torch.library.register_autograd(lib + name, _no_double_backward(name), setup_context=_no_context)
     torch.library.register_autograd(lib + "short_attention", _attn_backward, setup_context=_attn_setup_context)
     torch.library.register_autograd(lib + "ada_layer_norm", _ada_backward, setup_context=_ada_setup_context)
@@ -385,10 +381,11 @@ def _missing_ops() -> list[str]:
     return [name for name in OPS if not defined(name)]
 
 
-if _C is not None and _missing_ops():
+_MISSING = _missing_ops() if _C is not None else []
+if _MISSING:
     # a _C built from an older checkout (a `git pull` that added an op, without a rebuild): registering
     # the missing ops' fake impls raised in `import vqlcmd`; the reference backend serves instead
-    _IMPORT_ERROR = (f"vqlcmd._C is older than this code: it lacks {', '.join(_missing_ops())}; rebuild it with "
+    _IMPORT_ERROR = (f"vqlcmd._C is older than this code: it lacks {', '.join(_MISSING)}; rebuild it with "
                      "`pip install --no-build-isolation -e .`")
     _C = None
 if _C is not None:
