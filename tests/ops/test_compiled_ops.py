@@ -399,6 +399,26 @@ def test_drawn_noise_under_torch_compile_differs_per_call(gen):
         compiled(torch.full_like(tokens, table.shape[0]), table)
 
 
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_noise_embeddings_ids_checked_where_read(backend, gen):
+    """A dropped position reads the [mask] row, so its id is never used: both backends accept any id
+    there, give the same result, and both refuse the id where it is read."""
+    tokens = torch.randint(0, 6, (2, 5), generator=gen)
+    table, noise = torch.randn(7, 4, generator=gen), torch.randn(2, 5, 4, generator=gen)
+    alpha, sigma = torch.rand(2, generator=gen), torch.rand(2, generator=gen)
+    drop = torch.zeros(2, 5, dtype=torch.bool)
+    drop[1, 2] = True
+    bad = tokens.clone()
+    bad[1, 2] = 99
+    out = ops.noise_embeddings(bad, table, alpha, sigma, noise=noise, drop_mask=drop, mask_index=6, backend=backend)
+    expected = ops.noise_embeddings(tokens, table, alpha, sigma, noise=noise, drop_mask=drop, mask_index=6,
+                                    backend="reference")
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(IndexError, match="99,? outside the table"):
+        ops.noise_embeddings(bad, table, alpha, sigma, noise=noise, drop_mask=torch.zeros_like(drop), mask_index=6,
+                             backend=backend)
+
+
 # ---- ddim_teacher_step -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("z_dtype,table_dtype", [(d, d) for d in DTYPES] + [(torch.bfloat16, torch.float32)],

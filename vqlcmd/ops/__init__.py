@@ -36,12 +36,16 @@ for _op in OPS:
     register(_op, "reference", getattr(reference, _op), priority=lambda device: -1)
 
 
-def _resolve_for_ids(op: str, backend: str, tokens: torch.Tensor, table: torch.Tensor, like: torch.Tensor):
+def _resolve_for_ids(op: str, backend: str, tokens: torch.Tensor, table: torch.Tensor, like: torch.Tensor,
+                     drop_mask: Optional[torch.Tensor] = None):
     """The implementation of a token-id op for ``backend`` (resolved on ``like``'s device and dtype), with the
-    ids' range checked first unless the implementation checks each id itself (``checks_ids``)."""
+    ids' range checked first unless the implementation checks each id itself (``checks_ids``). Only the ids
+    that are read are checked, as the kernels check them: a dropped position reads the [mask] row, so its
+    id is never used (and the check must not depend on the backend)."""
     impl = resolve_impl(op, backend, like, tokens)
     if not impl.checks_ids:
-        _checks.check_token_range("tokens", tokens, table.shape[0])
+        read = tokens if drop_mask is None else tokens.masked_fill(drop_mask, 0)
+        _checks.check_token_range("tokens", read, table.shape[0])
     return impl.fn
 
 
@@ -113,7 +117,7 @@ def noise_embeddings(
     Differentiable in ``table``; the result has ``table``'s dtype.
     """
     _checks.check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index)
-    fn = _resolve_for_ids("noise_embeddings", backend, tokens, table, table)
+    fn = _resolve_for_ids("noise_embeddings", backend, tokens, table, table, drop_mask)
     return fn(tokens, table, alpha, sigma, noise=noise, drop_mask=drop_mask, mask_index=mask_index, generator=generator)
 
 
