@@ -274,3 +274,13 @@ def test_ema_keeps_its_own_float32_positions_under_a_bf16_source():
     assert not torch.equal(net.denoiser.pos.float(), exact)  # bf16 rounding is visible
     ema.update(net)
     assert ema.module.denoiser.pos.dtype == torch.float32 and torch.equal(ema.module.denoiser.pos, exact)
+
+
+def test_beta_dm_under_the_vlb_weighting_is_warned_about_not_silently_dropped():
+    with pytest.warns(UserWarning, match="loss.beta_dm = 0.5 is not used"):
+        LossConfig(weighting="vlb", beta_dm=0.5)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LossConfig(weighting="vlb")  # the default β_DM: nothing to say
+        LossConfig(beta_dm=0.5)  # lcmd uses it

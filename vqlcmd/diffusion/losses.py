@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -32,7 +33,8 @@ class LossConfig:
     # "random_ratio": ratio ~ U(0,1) per image (paper "rand_drop"); "none": ablation "without RD"
     drop_strategy: str = "fixed"
     label_drop: float = 0.1  # labels set to null for classifier-free guidance (paper: 10%)
-    # "lcmd": L_DM uniformly weighted (paper §4.2); "vlb": the plain VLB weight -½ SNR'(t) (ablation)
+    # "lcmd": β_DM · L_DM, uniformly weighted (paper §4.2); "vlb": the plain VLB weight -½ SNR'(t) on L_DM
+    # (ablation; the paper's L_∞, which has no β: beta_dm does not apply)
     weighting: str = "lcmd"
     # Our choice (paper silent): L0 decodes the clean, undropped z_0 ~ q(z_0 | x) as in the VLB.
     drop_in_l0: bool = False
@@ -54,6 +56,9 @@ class LossConfig:
         for name in ("beta_dm", "beta_cm"):  # a negative weight trains the model away from its target
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.weighting == "vlb" and self.beta_dm != LossConfig.beta_dm:
+            warnings.warn(f"loss.beta_dm = {self.beta_dm} is not used: the vlb weighting (the paper's L_∞) weights "
+                          "L_DM by -½ SNR'(t) alone, without β_DM", UserWarning, stacklevel=3)
 
     def to_dict(self) -> dict:
         return asdict(self)
