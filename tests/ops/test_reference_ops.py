@@ -85,6 +85,25 @@ def test_softmax_embedding_average_low_precision_inputs(dtype, gen):
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("op", ["plain", "guided", "attention"])
+def test_float32_math_under_an_enclosing_16bit_autocast(op, gen):
+    """The reference promises float32 math, as the kernels give whatever the autocast state: under the
+    16-bit pipeline's autocast its matmuls ran in bf16 (7e-3 off float64 against 1e-6)."""
+    a, b = torch.randn(6, 64, 256, generator=gen), torch.randn(6, 64, 256, generator=gen)
+    table = torch.randn(256, 32, generator=gen)
+    if op == "plain":
+        f, args = ops.softmax_embedding_average, (a, table)
+    elif op == "guided":
+        f, args = (lambda c, u, t, **kw: ops.guided_embedding_average(c, u, t, 1.5, **kw)), (a, b, table)
+    else:
+        f, args = ops.short_attention, (a[None], b[None], a[None].flip(-1))
+    expected = f(*[x.double() for x in args], backend="reference")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = f(*args, backend="reference")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_softmax_embedding_average_shape_errors():
     with pytest.raises(ValueError, match="K=5"):
         ops.softmax_embedding_average(torch.randn(2, 5), torch.randn(6, 3))
