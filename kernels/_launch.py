@@ -65,7 +65,10 @@ def dot_dtype(*tensors: torch.Tensor):
 
 # (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages) for H100 with K ~ 1024, D ~ 256 in mind, each
 # checked to fit its 227 KiB of shared memory and to spill no registers when compiled for sm_90
-# (``python -m vqlcmd.kernels.aot_check`` runs that check without a GPU).
+# (``python -m vqlcmd.kernels.aot_check`` runs that check without a GPU) with K and D multiples of the
+# tiles, as the shipped configs have. Ragged sizes compile masked loads that do spill (an audit, not
+# aot_check: K = 1000 up to 484 bytes in forward_fixed_max and 176 in the fp32 guided forward; D = 200,
+# 8-72 bytes), a speed cost no GPU has timed.
 # The forward keeps a (BLOCK_M, BLOCK_D) float32 accumulator and streams K; the D tile is the whole
 # row when D <= 256 so that the softmax is computed once per row. float32 operands (tf32x3 splits
 # each into two tf32 halves) need about twice the shared memory, hence their own smaller tiles.

@@ -22,6 +22,8 @@ bf16/fp16 run on tensor cores (fp32 inputs use tf32x3, which keeps fp32 accuracy
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -85,6 +87,21 @@ def forward_variant(variant: Optional[str] = None) -> str:
     return _choice(variant, FORWARD_ENV, FORWARD_VARIANTS, "fused")
 
 
+def on_tensor_device(fn):
+    """Runs ``fn`` with its first tensor's GPU as the current device. Triton launches on the current device,
+    not the tensors' (triton-lang/triton#2441): on a machine of several GPUs, tensors on cuda:1 with
+    cuda:0 current stopped with "Pointer argument cannot be accessed from Triton", or, with peer access
+    on, ran on cuda:0's stream unordered against cuda:1's work. The compiled kernels' CUDAGuard does the
+    same for them."""
+    @functools.wraps(fn)
+    def wrapped(x: torch.Tensor, *args, **kwargs):
+        guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+        with guard:
+            return fn(x, *args, **kwargs)
+    return wrapped
+
+
+@on_tensor_device
 def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Tensor] = None,
             guidance: float = 0.0, *, variant: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, K), table (K, D) [, uncond (N, K), ω] -> out (N, D) in the promoted dtype, lse (N,) float32.
@@ -171,6 +188,7 @@ def dlogits_variant(variant: Optional[str] = None) -> str:
     return _choice(variant, DLOGITS_ENV, DLOGITS_VARIANTS, "tiles")
 
 
+@on_tensor_device
 def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logits: torch.Tensor,
              table: torch.Tensor, grad_lse: Optional[torch.Tensor] = None, *, need_logits: bool = True,
              need_table: bool = True, deterministic: bool = False,

@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -91,12 +92,16 @@ inline int blocks_for(int64_t work) {
 // or unwanted: while the stream is captured into a CUDA graph, and when the user
 // sets VQLCMD_CHECK_IDS=0 (the data loader has checked the ids already). A bad id
 // then shows up as a non-finite loss, which the engine stops on by name.
+// Read at every call, as the Python side reads it (a getenv is nothing beside a launch): a value cached at
+// the first call disagreed with Python's once the switch changed, checking twice or never.
 inline bool id_checks_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VQLCMD_CHECK_IDS");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+  const char* v = std::getenv("VQLCMD_CHECK_IDS");
+  std::string value = v == nullptr ? "" : v;
+  for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const bool off = value == "0" || value == "false" || value == "no" || value == "off";
+  TORCH_CHECK(off || value.empty() || value == "1" || value == "true" || value == "yes" || value == "on",
+              "VQLCMD_CHECK_IDS must be a yes/no value (1/true/yes/on or 0/false/no/off), got '", v, "'");
+  return !off && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
 }
 
 struct BadIdFlag {

@@ -694,6 +694,49 @@ def test_gpu_auto_picks_triton_and_guided():
     assert_close(out, reference.guided_embedding_average(cond, uncond, table, 1.0), torch.bfloat16)
 
 
+def test_kernels_run_with_the_tensors_gpu_as_the_current_device(sea, monkeypatch):
+    """Triton launches on the current device, not the tensors' (triton-lang/triton#2441): each entry point
+    makes its first tensor's GPU current. A stand-in tensor on "cuda:1" records the device entered."""
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+
+    class OnSecondGpu:
+        device = torch.device("cuda", 1)
+
+    wrapped = sea.on_tensor_device(lambda x, *a, **k: "ran")
+    assert wrapped(OnSecondGpu()) == "ran" and entered == [torch.device("cuda", 1)]
+    assert wrapped(torch.zeros(1)) == "ran" and len(entered) == 1  # CPU tensors: no guard
+    assert all(hasattr(f, "__wrapped__") for f in (sea.forward, sea.backward))  # both entry points guarded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_tensors_on_another_gpu_than_the_current_one():
+    logits, table = make((512,), 1024, 256, torch.bfloat16, "cuda:1")
+    uncond, _ = make((512,), 1024, 256, torch.bfloat16, "cuda:1", seed=3)
+    upstream = torch.randn(512, 256, device="cuda:1", dtype=torch.bfloat16)
+    with torch.cuda.device(0):
+        out, dl, dt = grads(lambda a, b: ops.softmax_embedding_average(a, b, backend="triton"), logits, table,
+                            upstream)
+        guided = ops.guided_embedding_average(logits, uncond, table, 1.0, backend="triton")
+    ref, rdl, rdt = grads(reference.softmax_embedding_average, logits, table, upstream)
+    for actual, expected in ((out, ref), (dl, rdl), (dt, rdt)):
+        assert actual.device == torch.device("cuda", 1)
+        assert_close(actual, expected, torch.bfloat16)
+    assert_close(guided, reference.guided_embedding_average(logits, uncond, table, 1.0), torch.bfloat16)
+
+
 def test_gpu_tiles_compile_for_h100_without_a_gpu():
     # Triton's compiler and ptxas run without a GPU: the fixed small-problem tiles must compile for
     # sm_90, fit its shared memory and spill no registers (the full autotuning sweep: drop --quick)

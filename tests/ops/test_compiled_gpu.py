@@ -315,6 +315,24 @@ def test_cuda_bad_ids_raise():
     torch.cuda.synchronize()  # the context survived
 
 
+def test_cuda_id_checks_follow_the_switch_at_each_call(monkeypatch):
+    """VQLCMD_CHECK_IDS is read at every call by the kernels as by Python (it was cached at the first one)."""
+    table = torch.randn(5, 8, device=CUDA)
+    bad = torch.tensor([[1, 9]], device=CUDA)
+    z, one = torch.zeros(1, 2, 8, device=CUDA), torch.ones(1, device=CUDA)
+    with pytest.raises(IndexError, match="outside the table"):
+        torch.ops.vqlcmd.ddim_teacher_step(bad, table, z, one, one, one, one)
+    monkeypatch.setenv("VQLCMD_CHECK_IDS", "off")
+    out = torch.ops.vqlcmd.ddim_teacher_step(bad, table, z, one, one, one, one)
+    assert out[0, 1].isnan().all() and out[0, 0].isfinite().all()  # the bad id's row is NaN, not a read
+    monkeypatch.setenv("VQLCMD_CHECK_IDS", "sometimes")
+    with pytest.raises(RuntimeError, match="VQLCMD_CHECK_IDS must be a yes/no value"):
+        torch.ops.vqlcmd.ddim_teacher_step(bad, table, z, one, one, one, one)
+    monkeypatch.setenv("VQLCMD_CHECK_IDS", "1")
+    with pytest.raises(IndexError, match="outside the table"):
+        torch.ops.vqlcmd.ddim_teacher_step(bad, table, z, one, one, one, one)
+
+
 def test_opcheck_cuda():
     g = torch.Generator(CUDA).manual_seed(5)
     tokens = torch.randint(0, 9, (2, 5), device=CUDA, generator=g)

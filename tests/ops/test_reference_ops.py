@@ -55,6 +55,26 @@ def test_public_range_check_runs_unless_the_backend_checks_ids_itself(checks_ids
         assert calls == []
 
 
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("YES", True), ("on", True), ("0", False),
+                                      ("false", False), ("No", False), ("off", False)])
+def test_id_check_switch_words(value, on, monkeypatch):
+    from vqlcmd.ops import _checks
+
+    if value is None:
+        monkeypatch.delenv("VQLCMD_CHECK_IDS", raising=False)
+    else:
+        monkeypatch.setenv("VQLCMD_CHECK_IDS", value)
+    assert _checks.id_checks_switch() is on
+
+
+def test_id_check_switch_refuses_other_words(monkeypatch):
+    from vqlcmd.ops import _checks
+
+    monkeypatch.setenv("VQLCMD_CHECK_IDS", "sometimes")
+    with pytest.raises(ValueError, match="VQLCMD_CHECK_IDS must be a yes/no value .* got 'sometimes'"):
+        _checks.id_checks_switch()
+
+
 # ---- softmax_embedding_average ----------------------------------------------------------------
 
 def test_softmax_embedding_average_matches_loop(gen):

@@ -47,7 +47,19 @@ def ids_checked(tokens: torch.Tensor) -> bool:
         return False
     if tokens.device.type != "cuda":
         return True
-    return os.environ.get("VQLCMD_CHECK_IDS", "1") != "0" and not torch.cuda.is_current_stream_capturing()
+    return id_checks_switch() and not torch.cuda.is_current_stream_capturing()
+
+
+def id_checks_switch() -> bool:
+    """``VQLCMD_CHECK_IDS``, read at every call as the CUDA kernels read it: unset or 1/true/yes/on is on,
+    0/false/no/off is off (any case); anything else is an error, so a misspelt switch never passes."""
+    value = os.environ.get("VQLCMD_CHECK_IDS", "").lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"VQLCMD_CHECK_IDS must be a yes/no value (1/true/yes/on or 0/false/no/off), "
+                     f"got {os.environ['VQLCMD_CHECK_IDS']!r}")
 
 
 def check_tokens(name: str, tokens: torch.Tensor, *, ndim: int = 2) -> None:
