@@ -71,6 +71,9 @@ def main(argv=None) -> int:
 
     try:
         trainer = Trainer(ds_config, cfg, progress=not args.no_progress)
+        if args.evaluate and trainer.tokenizer_dir is None:  # found before training, not after it
+            raise ConfigError("--evaluate saves a decoded sample grid and needs data.tokenizer (the VQ tokenizer's "
+                              "folder, as given to scripts/tokenize.py); set it, or drop --evaluate")
         trainer.train(progress=not args.no_progress)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

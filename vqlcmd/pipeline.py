@@ -30,6 +30,11 @@ SAVE_ID = "save_id"  # in config.json and the weights' metadata: one save wrote 
 FAST_MODES = ("compile", "cudagraphs")
 
 
+# Images per decoder call: a 256-px VQGAN decoder peaks at about 160 MiB per image (CPU, float32), so 16 keep
+# it near 2.5 GiB; small decoders (the digits one) gain nothing from larger calls.
+DECODE_BATCH = 16
+
+
 class VQLCMDPipeline:
     def __init__(self, network: VQLCMDNetwork, schedule: ShiftedCosineSchedule, *, tokenizer=None,
                  tokenizer_ref: Optional[dict] = None, class_names: Optional[Sequence[str]] = None,
@@ -219,13 +224,14 @@ class VQLCMDPipeline:
 
             bar = tqdm(total=n, desc=f"{sampler} {num_steps} steps", unit="img")
         chunks = []
-        with self._autocast():
-            for start, stop, kw in self._chunks(labels, n, batch_size, generator):
-                chunks.append(sample_tokens(denoiser, table, self.schedule, num_steps=num_steps,
-                                            sampler=sampler, guidance_scale=guidance_scale, final=final,
-                                            backend=backend, progress=progress and bar is None, **kw))
-                if bar is not None:
-                    bar.update(stop - start)
+        for start, stop, kw in self._chunks(labels, n, batch_size, generator):
+            with self._autocast():  # the sampler only: the tokenizer decodes in its own dtype
+                tokens = sample_tokens(denoiser, table, self.schedule, num_steps=num_steps, sampler=sampler,
+                                       guidance_scale=guidance_scale, final=final, backend=backend,
+                                       progress=progress and bar is None, **kw)
+            chunks.append(self._finish(tokens, output_type))
+            if bar is not None:
+                bar.update(stop - start)
         if bar is not None:
             bar.close()
         return self._output(chunks, output_type)
@@ -283,19 +289,25 @@ class VQLCMDPipeline:
             kw["generator"] = generator[start:stop] if isinstance(generator, list) else generator
             yield start, stop, kw
 
-    def _output(self, chunks: list, output_type: str):
-        """The batches' tokens as ``output_type``: tokens (N, h, w), images in [0, 1] or PIL images."""
-        cfg = self.network.config
-        tokens = torch.cat(chunks) if chunks else torch.empty(0, cfg.seq_len, dtype=torch.long, device=self.device)
+    def _finish(self, tokens: torch.Tensor, output_type: str):
+        """One batch's tokens (b, L) as ``output_type``, decoded as soon as they are sampled: decoding all N
+        at the end held every image's decoder activations at once (about 160 MiB per 256-px image)."""
         tokens = tokens.view(-1, *self.grid)
         if output_type == "tokens":
             return tokens
-        if not len(tokens):  # the tokenizer's decoder cannot reshape an empty batch (_request saw it loaded)
-            h, w = self.tokenizer.image_size
-            images = torch.empty(0, self.tokenizer.channels, h, w)
-        else:
-            images = self.decode(tokens)
+        images = self.decode(tokens)
         return images if output_type == "pt" else to_pil(images)
+
+    def _output(self, chunks: list, output_type: str):
+        """The batches' outputs (``_finish``) as one: tokens (N, h, w), images in [0, 1] or PIL images."""
+        if output_type == "pil":
+            return [image for chunk in chunks for image in chunk]
+        if chunks:
+            return torch.cat(chunks)
+        if output_type == "tokens":
+            return torch.empty(0, *self.grid, dtype=torch.long, device=self.device)
+        h, w = self.tokenizer.image_size  # (_request saw it loaded)
+        return torch.empty(0, self.tokenizer.channels, h, w)
 
     def _autocast(self):
         dtype = self.network.embedding.weight.dtype
@@ -314,12 +326,20 @@ class VQLCMDPipeline:
         side = int(round(self.network.config.seq_len ** 0.5))
         return (side, side)
 
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Tokens (N, h, w) -> images in [0, 1] (N, C, H, W)."""
+    def decode(self, tokens: torch.Tensor, batch_size: Optional[int] = None) -> torch.Tensor:
+        """Tokens (N, h, w) -> images in [0, 1] (N, C, H, W) on the CPU, decoded ``batch_size`` (default
+        ``DECODE_BATCH``) at a time: a decoder's activations dwarf the images (a 256-px VQGAN's about
+        160 MiB per image)."""
+        batch_size = DECODE_BATCH if batch_size is None else batch_size
         if self.tokenizer is None:
             raise RuntimeError("no tokenizer loaded: the pipeline was exported without one, or its folder "
                                f"({self.tokenizer_ref.get('path')}) is missing; use output_type='tokens'")
-        return ((self.tokenizer.decode(tokens.to(self.tokenizer.device)).float() + 1) / 2).clamp(0, 1).cpu()
+        if not len(tokens):  # the tokenizer's decoder cannot reshape an empty batch
+            h, w = self.tokenizer.image_size
+            return torch.empty(0, self.tokenizer.channels, h, w)
+        pieces = [((self.tokenizer.decode(piece.to(self.tokenizer.device)).float() + 1) / 2).clamp(0, 1).cpu()
+                  for piece in tokens.split(batch_size)]
+        return torch.cat(pieces)
 
 
 class _SamplingDenoiser(torch.nn.Module):

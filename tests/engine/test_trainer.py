@@ -112,6 +112,37 @@ def test_interval_grids_use_grid_steps(tmp_path, tiny_shards, trainer, monkeypat
     assert calls == [tr.cfg.sample.num_steps, 3]
 
 
+def test_preview_grids_show_at_most_grid_rows_classes(tmp_path, tiny_shards, trainer, monkeypatch):
+    """A row per class up to report.GRID_ROWS, then that many classes spread over the labels: ImageNet's
+    1000 classes made each preview 8000 images, sampled and decoded in one go."""
+    from vqlcmd.engine import report
+
+    tr = trainer(tmp_path, tiny_shards, steps=1)
+    asked = []
+
+    class RecordingPipeline:
+        def __call__(self, labels, *, output_type, generator, num_steps):
+            asked.append(labels.tolist())
+            return torch.zeros(len(labels), 1, 8, 8)
+
+    tr.tokenizer_dir = tmp_path
+    monkeypatch.setattr(tr, "pipeline", RecordingPipeline)
+    per = tr.cfg.sample.per_class
+    tr.save_sample_grid()
+    monkeypatch.setattr(report, "GRID_ROWS", 2)  # the tiny data's 4 classes, shown as 2
+    tr.save_sample_grid()
+    assert asked == [[c for c in range(4) for _ in range(per)], [c for c in (0, 3) for _ in range(per)]]
+
+
+def test_grid_classes_spread_over_the_labels():
+    from vqlcmd.engine.report import grid_classes
+
+    assert grid_classes(7).tolist() == list(range(7))
+    picked = grid_classes(1000).tolist()
+    assert len(set(picked)) == 10 and picked == sorted(picked) and picked[0] == 0 and picked[-1] == 999
+    assert grid_classes(0).tolist() == []
+
+
 def test_auto_precision_is_resolved_and_recorded(tmp_path, tiny_shards, make_config, monkeypatch):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": False, "amx_bf16": False})
     path = make_config(tmp_path, tiny_shards, steps=1)

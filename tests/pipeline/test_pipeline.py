@@ -84,6 +84,26 @@ def test_output_types_and_defaults(tiny_pipeline):
     assert tiny_pipeline([], output_type="tokens").shape == (0, 4, 4)
 
 
+def test_images_are_decoded_batch_by_batch_in_bounded_pieces(tiny_pipeline, monkeypatch):
+    """The decoder saw all N images in one call (a 256-px VQGAN: ~160 MiB each); now each sampling batch is
+    decoded as it is drawn, at most DECODE_BATCH images at a time, with the same images."""
+    from vqlcmd import pipeline as pipeline_module
+
+    labels = [0, 1, 2, 3] * 5
+    tokens = tiny_pipeline(labels, output_type="tokens", generator=G(), batch_size=8)
+    expected = tiny_pipeline.decode(tokens, batch_size=len(tokens))
+    sizes = []
+    decode = tiny_pipeline.tokenizer.decode
+    monkeypatch.setattr(tiny_pipeline.tokenizer, "decode", lambda t: sizes.append(len(t)) or decode(t))
+    images = tiny_pipeline(labels, output_type="pt", generator=G(), batch_size=8)
+    assert sizes == [8, 8, 4]
+    torch.testing.assert_close(images, expected)
+    sizes.clear()
+    monkeypatch.setattr(pipeline_module, "DECODE_BATCH", 3)  # read at call time, not bound at import
+    tiny_pipeline(labels, output_type="pil", generator=G(), batch_size=8)
+    assert sizes == [3, 3, 2] * 2 + [3, 1]
+
+
 def test_errors_name_the_problem(tiny_pipeline, tmp_path):
     with pytest.raises(ValueError, match=r"class_labels must be in \[0, 4\)"):
         tiny_pipeline([4])

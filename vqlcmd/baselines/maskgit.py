@@ -220,10 +220,11 @@ class MaskGITPipeline(VQLCMDPipeline):
 
         bar = tqdm(total=n, desc=f"maskgit {num_steps} steps", unit="img", disable=not progress)
         chunks = []
-        with self._autocast():
-            for start, stop, kw in self._chunks(labels, n, batch_size, generator):
-                chunks.append(maskgit_sample(self.network, num_steps=num_steps, guidance_scale=guidance_scale,
-                                             cfg=self.maskgit, denoiser=denoiser, **kw))
-                bar.update(stop - start)
+        for start, stop, kw in self._chunks(labels, n, batch_size, generator):
+            with self._autocast():  # the sampler only: the tokenizer decodes in its own dtype
+                tokens = maskgit_sample(self.network, num_steps=num_steps, guidance_scale=guidance_scale,
+                                        cfg=self.maskgit, denoiser=denoiser, **kw)
+            chunks.append(self._finish(tokens, output_type))
+            bar.update(stop - start)
         bar.close()
         return self._output(chunks, output_type)

@@ -160,7 +160,7 @@ class SampleSection:
     num_steps: int = 50
     guidance_scale: float = 1.0
     sampler: str = "ancestral"
-    per_class: int = 10  # images per class in the sample grid
+    per_class: int = 10  # images per class in the sample grids (a row each, at most 10 classes: report.grid_classes)
     final: str = "sample"
     # Sampling steps of the grids saved during training (progress previews); None = num_steps. The
     # end-of-run grid and evaluation always use num_steps.

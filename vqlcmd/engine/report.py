@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Optional
 
 import torch
 
@@ -15,31 +16,53 @@ def on_digits(trainer) -> bool:
     return trainer.cfg.data.dataset == "digits" or trainer.header.get("source") == DIGITS_SOURCE
 
 
+GRID_ROWS = 10
+
+
+def grid_classes(num_classes: int, rows: Optional[int] = None) -> torch.Tensor:
+    """The classes a sample grid shows, a row each: all of them up to ``rows``, else ``rows`` spread evenly
+    over the labels. Every class of ImageNet's 1000 made a preview of 8000 images, sampled and decoded
+    at every ``sample_every``."""
+    rows = GRID_ROWS if rows is None else rows
+    if num_classes <= rows:
+        return torch.arange(num_classes)
+    return torch.linspace(0, num_classes - 1, rows).round().long()
+
+
 def final_report(trainer, per_class: int = 50) -> dict:
-    """Samples ``per_class`` images per class with the config's sampling defaults, saves the grid and
-    (for the embedded digits data set, see ``on_digits``) prints accuracy and within-class spread."""
+    """Saves a grid of the config's sampling defaults (``grid_classes``, 10 images each) and, for the
+    embedded digits data set (see ``on_digits``), samples ``per_class`` images of every class and prints
+    their accuracy, within-class spread and feature-space FID / precision / recall."""
     from torchvision.utils import save_image
 
     pipe = trainer.pipeline()
     s = pipe.sample_defaults  # what the pipeline samples with (MaskGIT's sampler and steps for its runs)
     C = trainer.net.config.num_classes
+    digits = on_digits(trainer)
+    # only the digits' samples are scored: elsewhere the grid's images are all there is to sample
+    per_class = per_class if digits else min(per_class, 10)
     t0 = time.perf_counter()
     g = torch.Generator(device=trainer.device).manual_seed(2024)
-    labels = torch.arange(C).repeat_interleave(per_class) if C else None
+    classes = (torch.arange(C) if digits else grid_classes(C)) if C else None
+    labels = classes.repeat_interleave(per_class) if C else None
     images = pipe(labels, output_type="pt", generator=g) if C else pipe(num_images=per_class * 8, output_type="pt",
                                                                          generator=g)
     seconds = time.perf_counter() - t0
     grid = trainer.out_dir / "samples" / "final.png"
     grid.parent.mkdir(parents=True, exist_ok=True)
-    shown = images.view(C, per_class, *images.shape[1:])[:, :10].reshape(-1, *images.shape[1:]) if C else images[:80]
-    save_image(shown, str(grid), nrow=10 if C else 8, padding=1)
+    if C:
+        shown = images.view(len(classes), per_class, *images.shape[1:])[:, :10]
+        shown = shown[grid_classes(len(classes))].reshape(-1, *images.shape[1:])  # (digits: all 10 classes)
+    else:
+        shown = images[:80]
+    save_image(shown, str(grid), nrow=min(per_class, 10) if C else 8, padding=1)
     from ..embedding import collapse_indicator
 
     K = trainer.net.config.codebook_size
     report = {"step": trainer.step, "grid": str(grid),
               "collapse_indicator": collapse_indicator(trainer.net.embedding.table()[:K]), "num_steps": s["num_steps"],
               "guidance_scale": s["guidance_scale"], "sampler": s["sampler"], "sampling_seconds": round(seconds, 1)}
-    if on_digits(trainer):
+    if digits:
         from ..metrics.digits import evaluate_digit_samples
 
         report.update(evaluate_digit_samples(images, labels))

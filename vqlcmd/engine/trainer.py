@@ -127,6 +127,9 @@ class Trainer:
             # read the same files, and a failure on one rank stops all of them at agree_on_setup below.
             self.dataset = TokenShardDataset(shard_dir, verify=self.local_rank == 0)
             self.tokenizer_dir = tok_dir
+            if tok_dir is None and cfg.train.sample_every:
+                self.log("no data.tokenizer: the sample grids (train.sample_every) are off, since tokens cannot be "
+                         "decoded; the exported pipeline samples tokens only (output_type='tokens')")
             header = self.dataset.header
             den_cfg = preset_config(cfg.model.preset, **cfg.model.overrides)
             den_cfg = self._check_against_shards(den_cfg, header, shard_dir)
@@ -460,7 +463,9 @@ class Trainer:
         steps = None if self.cfg.method == "maskgit" else s.grid_steps or s.num_steps
         shown_steps = pipe.sample_defaults["num_steps"] if steps is None else steps
         if C > 0:
-            labels = torch.arange(C).repeat_interleave(s.per_class)
+            from .report import grid_classes
+
+            labels = grid_classes(C).repeat_interleave(s.per_class)
             images = pipe(labels, output_type="pt", generator=g, num_steps=steps)
         else:
             images = pipe(num_images=8 * s.per_class, output_type="pt", generator=g, num_steps=steps)
