@@ -164,6 +164,23 @@ def test_resume_in_another_precision_is_refused(tmp_path, tiny_shards, make_conf
     assert json.loads((tmp_path / "run" / "config.json").read_text())["bf16"]["enabled"] is first  # not overwritten
 
 
+def test_zero_stage_0_with_bf16_is_refused(tmp_path, tiny_shards, make_config):
+    """DeepSpeed's FP16_UnfusedOptimizer (ZeRO 0 + bf16) takes an AdamW step on zero gradients as it starts."""
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2)))
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage 0 with bf16 .* Use stage 1"):
+        Trainer({**ds, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}, cfg, log=lambda *a, **k: None)
+    Trainer({**ds, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, cfg, log=lambda *a, **k: None)
+
+
+def test_resume_from_zero_2_at_zero_1_trains_on(tmp_path, tiny_shards, make_config):
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2, checkpoint_every=2)))
+    Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)
+    cfg.train.steps = 3
+    tr = Trainer({**ds, "zero_optimization": {"stage": 1}}, cfg, log=lambda *a, **k: None)
+    tr.train(progress=False)
+    assert tr.step == 3
+
+
 def _folders(path):
     return sorted(p.name for p in path.iterdir())
 
@@ -185,15 +202,21 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path, tiny_shards, trai
     ({"embedding": {"frozen": True}}, r"vqlcmd\.embedding = \{\"frozen\": false"),
     ({"schedule": {"shift": -1.0}}, r"vqlcmd\.schedule = \{\"shift\": 0\.0.* but this run has \{\"shift\": -1\.0"),
     ({"micro": 4}, r"train_micro_batch_size_per_gpu=8 but this run has 4"),
+    # DeepSpeed's own errors called the checkpoint corrupt; the loader's a raw ValueError after loading it
+    ({"stage": 0}, r"trained at zero_optimization\.stage 2 but this run has stage 0; .* resume with stage 2 \(or 1 or 2\)"),
+    ({"train": {"seed": 1}}, r"trained with train\.seed 0 but this run has 1; .*resume with the same seed"),
 ])
 def test_resume_with_another_setup_is_refused_up_front(tmp_path, tiny_shards, make_config, change, match):
     ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2)))
     Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)
     section = cfg.to_dict()
-    section.update({k: v for k, v in change.items() if k != "micro"})
+    for key, value in change.items():
+        if key not in ("micro", "stage"):
+            section[key] = {**section[key], **value} if key == "train" else value
     from vqlcmd.engine.config import parse_vqlcmd_section
 
-    ds2 = {**ds, "train_micro_batch_size_per_gpu": change.get("micro", 8)}
+    ds2 = {**ds, "train_micro_batch_size_per_gpu": change.get("micro", 8),
+           "zero_optimization": {**ds["zero_optimization"], "stage": change.get("stage", 2)}}
     with pytest.raises(ConfigError, match=match):
         Trainer(ds2, parse_vqlcmd_section(section), log=lambda *a, **k: None)
 
