@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=positive_int, default=1000,
                    help="--dataset digits: tokenizer training steps (default 1000; the quick start's config, "
                         "ds_digits.json, uses 400)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete shards in --out that another data set wrote (another tokenizer, tree, size, ...) "
+                        "instead of stopping on them")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -68,8 +71,11 @@ def main(argv=None) -> dict:
         if args.out is None:
             raise SystemExit("--dataset digits with --tokenizer needs --out")
         tok = load_tokenizer(args.tokenizer, device=args.device)
-        stats = write_digits_shards(args.out, tok, size=tok.image_size[0], shard_size=args.shard_size,
-                                    progress=progress)
+        try:
+            stats = write_digits_shards(args.out, tok, size=tok.image_size[0], shard_size=args.shard_size,
+                                        progress=progress, overwrite=args.overwrite)
+        except ShardError as exc:
+            raise SystemExit(str(exc)) from None
         print(json.dumps(stats))
         return stats
 
@@ -104,7 +110,7 @@ def _write_all(args, tok, images, size, progress) -> dict:
                                  channels=tok.channels, device=args.device, num_threads=args.num_threads)
 
         stats = write_token_shards(args.out, tok, len(images), batches, header, shard_size=args.shard_size,
-                                   prefix=prefix, progress=progress)
+                                   prefix=prefix, progress=progress, overwrite=args.overwrite)
         print(f"{prefix}: {stats['written']}/{stats['shards']} shards written, {stats['images']} images, "
               f"{stats['images_per_s']:.1f} images/s")
         results[prefix] = stats

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without install
 
-from vqlcmd.engine.config import ConfigError, load_config  # noqa: E402
+from vqlcmd.engine.config import ConfigError, is_deepspeed_key, load_config  # noqa: E402
 
 
 def _set(section: dict, dotted: str, value: str) -> None:
@@ -42,24 +42,28 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="config file: a path or a name in configs/")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a vqlcmd key, e.g. --set train.steps=200 --set loss.beta_cm=0")
+                        help="override a vqlcmd key, e.g. --set train.steps=200 --set loss.beta_cm=0, or a "
+                             "DeepSpeed one: --set train_batch_size=16 --set zero_optimization.stage=1")
     parser.add_argument("--evaluate", action="store_true",
                         help="after training, sample a class-conditional grid and (digits) report accuracy")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
 
-    def apply_sets(section: dict) -> None:
-        for item in args.set:
-            key, eq, value = item.partition("=")
-            if not eq or not key:
-                raise ConfigError(f"--set takes KEY=VALUE (a JSON value), got {item!r}")
-            _set(section, key, value)
+    def apply_sets(deepspeed: bool):
+        def apply(section: dict) -> None:
+            for item in args.set:
+                key, eq, value = item.partition("=")
+                if not eq or not key:
+                    raise ConfigError(f"--set takes KEY=VALUE (a JSON value), got {item!r}")
+                if is_deepspeed_key(key) == deepspeed:
+                    _set(section, key, value)
+        return apply
 
     try:
         # on the file's section, before parsing forces the method's switches: a --set method=... after it kept
         # the file's method's switches under the new name
-        ds_config, cfg = load_config(args.config, edit=apply_sets)
+        ds_config, cfg = load_config(args.config, edit=apply_sets(False), edit_deepspeed=apply_sets(True))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

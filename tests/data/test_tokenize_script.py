@@ -76,7 +76,8 @@ def test_restart_keeps_finished_shards_and_redoes_broken_ones(setup, capsys):
     assert torch.equal(TokenShardDataset(out).gather(np.arange(7))[0], first)
 
 
-def test_other_tokenizer_redoes_everything(setup, tmp_path):
+def test_other_tokenizers_shards_are_refused_or_overwritten_on_request(setup, tmp_path):
+    """They were silently replaced: a model trained on them could then neither resume nor be decoded."""
     images, vq, base = setup
     torch.manual_seed(1)
     small_vqmodel(channels=3, image_size=16, block_channels=(8, 16), codebook_size=16, code_dim=4,
@@ -86,7 +87,12 @@ def test_other_tokenizer_redoes_everything(setup, tmp_path):
     argv = ["--images", str(images), "--out", str(out), "--shard-size", "4", "--backend", "pil", "--device", "cpu",
             "--no-progress"]
     main(argv + ["--tokenizer", str(vq)])
-    stats = main(argv + ["--tokenizer", str(tmp_path / "vq2")])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit, match=r"holds 2 shard\(s\) of another data set \(shard-00000\.vqtok: "
+                                         r"tokenizer_id \"vqmodel-.*--overwrite"):
+        main(argv + ["--tokenizer", str(tmp_path / "vq2")])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing touched
+    stats = main(argv + ["--tokenizer", str(tmp_path / "vq2"), "--overwrite"])
     assert stats["shard"]["written"] == 2
     assert TokenShardDataset(out).header["tokenizer_id"] == load_tokenizer(tmp_path / "vq2").identifier
 
@@ -100,7 +106,9 @@ def test_another_tree_or_shard_size_is_not_mistaken_for_finished_work(setup, tmp
     # another tree of as many images: its shards used to be kept as "finished" (the same tokenizer, count
     # and classes), so the folder held the first tree's tokens under the second tree's name
     other = write_tree(tmp_path / "other", sizes=[(40 + i, 50) for i in range(7)])
-    stats = main(argv + ["--images", str(other), "--shard-size", "4"])
+    with pytest.raises(SystemExit, match=r"of another data set \(shard-00000\.vqtok: files_sha256"):
+        main(argv + ["--images", str(other), "--shard-size", "4"])
+    stats = main(argv + ["--images", str(other), "--shard-size", "4", "--overwrite"])
     assert stats["shard"]["written"] == 2
     tok = load_tokenizer(vq)
     x = torch.cat([b for b, _ in image_batches(list_images(other), 16, 8, backend="pil")])
@@ -118,8 +126,10 @@ def test_a_run_without_flip_does_not_leave_another_trees_flipped_shards_unnotice
             "--shard-size", "4"]
     main(argv + ["--images", str(images), "--flip"])
     other = write_tree(tmp_path / "other", sizes=[(40 + i, 50) for i in range(7)])
-    with pytest.raises(SystemExit, match=r"come from different image trees: flip-00000\.vqtok lists files"):
+    with pytest.raises(SystemExit, match=r"holds 4 shard\(s\) of another data set \(flip-00000\.vqtok: files_sha256"):
         main(argv + ["--images", str(other)])
+    main(argv + ["--images", str(other), "--overwrite"])  # the other tree's flipped shards go too
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.vqtok", "shard-00001.vqtok"]
 
 
 @pytest.mark.parametrize("bad", [["--shard-size", "0"], ["--batch-size", "-2"], ["--num-threads", "0"]])
@@ -158,8 +168,12 @@ def test_a_moved_tree_and_shards_from_before_the_digest_are_kept(setup, tmp_path
     write_shard(out / "shard-00000.vqtok", tokens, labels, header)
     capsys.readouterr()
     assert main(argv + ["--images", str(moved)])["shard"]["written"] == 0
-    # another tree: the log says why existing shards are redone (the legacy shard-00000 cannot tell, and stays)
+    # another tree: refused, naming what differs; overwritten on request, and the log says what went (the
+    # legacy shard-00000 cannot tell, and stays)
     other = write_tree(tmp_path / "other", sizes=[(40 + i, 50) for i in range(7)])
-    assert main(argv + ["--images", str(other)])["shard"]["written"] == 1
-    assert "keeping 1 finished shard shard(s), making 1 (redoing existing ones: another files_sha256)" in \
-        capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"holds 1 shard\(s\) of another data set \(shard-00001\.vqtok: files_sha256"):
+        main(argv + ["--images", str(other)])
+    assert main(argv + ["--images", str(other), "--overwrite"])["shard"]["written"] == 1
+    printed = capsys.readouterr().out
+    assert "deleted 1 shard(s) of another data set (overwrite)" in printed
+    assert "keeping 1 finished shard shard(s), making 1" in printed

@@ -279,3 +279,19 @@ def test_values_that_failed_late_are_config_errors(section, match):
     first step, once the model was built, or (negative weights) trained without complaint."""
     with pytest.raises(ConfigError, match=match):
         parse_vqlcmd_section(section)
+
+
+def test_cli_set_reaches_the_deepspeed_part(tmp_path, tiny_shards, make_config):
+    """`--set train_batch_size=16` was 'unknown key vqlcmd.train_batch_size': the only way to shrink a
+    shipped config's batch for a small data set was to copy the file."""
+    from vqlcmd.engine.config import is_deepspeed_key
+
+    assert [is_deepspeed_key(k) for k in ("train_batch_size", "zero_optimization.stage", "bf16.enabled",
+                                           "optimizer.lr", "train.steps", "gradient_clippin")] == \
+        [True, True, True, False, False, False]  # optimizer: the vqlcmd section's; a typo: vqlcmd's error
+    stage3 = _run_train(make_config(tmp_path, tiny_shards), "--set", "zero_optimization.stage=3")
+    assert stage3.returncode == 2 and "zero_optimization.stage=3 is not supported" in stage3.stderr
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"train_batch_size": 128, "vqlcmd": {}}))
+    ds, _ = load_config(str(p), edit_deepspeed=lambda raw: raw.update(train_batch_size=16))
+    assert ds["train_batch_size"] == 16

@@ -101,15 +101,18 @@ def prepare_digits(cache_dir=None, *, steps: int = 1000, seed: int = 0, size: in
                 f"{metrics['codebook_size']} codes used, {metrics['train_seconds']:.0f} s")
         tok = load_tokenizer(tok_dir)
         shard_dir = root / f"shards-{tok.identifier}"
-        write_digits_shards(shard_dir, tok, size=size, shard_size=shard_size, progress=progress, log=lambda m: None)
+        # (a cache: derived data, replaced whatever it holds)
+        write_digits_shards(shard_dir, tok, size=size, shard_size=shard_size, progress=progress, log=lambda m: None,
+                            overwrite=True)
     return {"shards": str(shard_dir), "tokenizer": str(tok_dir), "psnr": metrics["psnr"],
             "codebook_usage": metrics["codebook_usage"], "codebook_size": metrics["codebook_size"],
             "tokenizer_id": tok.identifier, "seconds": time.perf_counter() - t0}
 
 
 def write_digits_shards(out_dir, tokenizer, *, size: int = 32, shard_size: int = 1024, progress: bool = True,
-                        log=print) -> dict:
-    """Tokenizes the digits (in scikit-learn's order) into ``out_dir``; keeps finished shards."""
+                        log=print, overwrite: bool = False) -> dict:
+    """Tokenizes the digits (in scikit-learn's order) into ``out_dir``; keeps finished shards (``overwrite``:
+    see ``write_token_shards``)."""
     from .writer import write_token_shards
 
     images, labels = digits_images(size)
@@ -122,4 +125,4 @@ def write_digits_shards(out_dir, tokenizer, *, size: int = 32, shard_size: int =
             yield images[i:j], labels[i:j]
 
     return write_token_shards(out_dir, tokenizer, len(images), batches, header, shard_size=shard_size,
-                              progress=progress, log=log)
+                              progress=progress, log=log, overwrite=overwrite)

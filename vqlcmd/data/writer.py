@@ -5,6 +5,7 @@ rerun knows which shards exist (and are valid, for this tokenizer) and only make
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -64,12 +65,35 @@ def _refuse_stale(out_dir: Path, prefix: str, num_shards: int) -> None:
                          "settings; write into an empty folder, or remove them")
 
 
+def _foreign_shards(out_dir: Path, header: dict, prefix: str) -> list[tuple[Path, str]]:
+    """The readable shards in ``out_dir`` that another data set wrote: (path, the first header value that
+    differs). Any prefix counts (a flip-* shard of another tokenizer would be read beside this run's), its
+    own ``flipped`` aside; unreadable leftovers are a crashed run's, redone as before."""
+    foreign = []
+    for path in sorted(out_dir.glob(f"*{SUFFIX}")):
+        try:
+            theirs = open_shard(path, verify=False).header
+        except ShardError:
+            continue
+        for k, v in header.items():
+            if k in _NOT_COMPARED or (k in _LEGACY_OPTIONAL and k not in theirs):
+                continue
+            if k == "flipped" and not path.name.startswith(prefix + "-"):
+                continue
+            if theirs.get(k) != v:
+                foreign.append((path, f"{k} {json.dumps(theirs.get(k))[:80]}, not {json.dumps(v)[:80]}"))
+                break
+    return foreign
+
+
 def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, header: dict, *,
                        shard_size: int = 10000, prefix: str = "shard", progress: bool = True,
-                       log: Callable[[str], None] = print) -> dict:
+                       log: Callable[[str], None] = print, overwrite: bool = False) -> dict:
     """Tokenizes ``count`` samples into ``out_dir``; ``batches(start, stop)`` yields
     ``(images in [-1, 1] (B, C, H, W), labels (B,))`` for samples ``[start, stop)`` in order.
-    Returns counts and throughput. Existing valid shards made by the same tokenizer are kept."""
+    Returns counts and throughput. Existing valid shards of the same data set (tokenizer and header) are
+    kept. Shards of another (tokenizer, image tree, size, ...) are an error naming the difference: they were
+    silently replaced, and a model trained on them could no longer resume. ``overwrite`` deletes them first."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = dict(header, tokenizer_id=tokenizer.identifier, codebook_size=tokenizer.codebook_size,
@@ -77,6 +101,15 @@ def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, hea
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     ranges = [(i, s, min(s + shard_size, count)) for i, s in enumerate(range(0, count, shard_size))]
+    foreign = _foreign_shards(out_dir, header, prefix)
+    if foreign and not overwrite:
+        path, why = foreign[0]
+        raise ShardError(f"{out_dir} holds {len(foreign)} shard(s) of another data set ({path.name}: {why}); write "
+                         "into another folder, or overwrite them (scripts/tokenize.py --overwrite)")
+    for path, _ in foreign:
+        path.unlink()
+    if foreign:
+        log(f"{out_dir}: deleted {len(foreign)} shard(s) of another data set (overwrite)")
     _refuse_stale(out_dir, prefix, len(ranges))
     reasons = {r: _redo_reason(shard_path(out_dir, r[0], prefix), header, r[2] - r[1]) for r in ranges}
     todo = [r for r in ranges if reasons[r] is not None]

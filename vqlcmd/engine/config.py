@@ -13,7 +13,7 @@ import math
 import os
 import typing
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -271,10 +271,12 @@ def resolve_config_path(name: str) -> Path:
     raise ConfigError(f"config {name!r} not found (looked at {path.resolve()} and {candidate})")
 
 
-def load_config(name: str, edit: Optional[Callable[[dict], None]] = None) -> tuple[dict, VQLCMDConfig]:
+def load_config(name: str, edit: Optional[Callable[[dict], None]] = None,
+                edit_deepspeed: Optional[Callable[[dict], None]] = None) -> tuple[dict, VQLCMDConfig]:
     """Returns (the DeepSpeed part of the file, the parsed vqlcmd section). ``edit`` changes the file's
     vqlcmd section in place before it is parsed (``--set``): parsing forces a method's switches, so an edit
-    after it could change the method and keep the old one's switches."""
+    after it could change the method and keep the old one's switches. ``edit_deepspeed`` changes the
+    DeepSpeed part before it is checked."""
     path = resolve_config_path(name)
     try:
         raw = json.loads(path.read_text())
@@ -288,8 +290,18 @@ def load_config(name: str, edit: Optional[Callable[[dict], None]] = None) -> tup
             raise ConfigError(f"vqlcmd must be a JSON object, got {type(section).__name__}")
         edit(section)
     cfg = parse_vqlcmd_section(section)
+    if edit_deepspeed is not None:
+        edit_deepspeed(raw)
     check_deepspeed_section(raw, path)
     return raw, cfg
+
+
+def is_deepspeed_key(dotted: str) -> bool:
+    """Whether a ``--set`` key names the DeepSpeed part (``train_batch_size``, ``zero_optimization.stage``,
+    ``bf16.enabled``): its first name is a DeepSpeed key and not a vqlcmd section's (``optimizer`` is both,
+    and stays the vqlcmd one: the engine builds its own optimizer)."""
+    first = dotted.split(".", 1)[0]
+    return first in _DEEPSPEED_KEYS and first not in {f.name for f in fields(VQLCMDConfig)}
 
 
 # DeepSpeed keys a run of this engine may set. DeepSpeed ignores keys it does not read, so a misspelt one
