@@ -245,6 +245,9 @@ def main(argv=None) -> int:
         "sampler": args.sampler or d.get("sampler", "ancestral"), "final": args.final or d.get("final", "sample"),
     }
     if C == 0:
+        if args.guidance_scale:  # the pipeline refuses it too; only the exported default is dropped
+            raise SystemExit(f"--guidance-scale {args.guidance_scale}: {args.pipeline} holds an unconditional model, "
+                             "which has nothing to guide toward")
         settings["guidance_scale"] = 0.0
     labels = class_labels(args.labels, args.num_samples, C, args.seed)
     out = Path(args.out)

@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-images", default="header", choices=["none", "header", "decode"],
                    help="--images: skip unreadable files up front: header parse (default) or full decode")
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -88,6 +89,11 @@ def main(argv=None) -> dict:
         return info
     if args.out is None:
         raise SystemExit("--images needs --out")
+    if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
+        # checked before training: the shards and pipelines made with a tokenizer name it by its folder, and
+        # a retrained one has another identifier, so they could no longer be decoded
+        raise SystemExit(f"--out {args.out} is not empty (a tokenizer there would be replaced, and the shards and "
+                         "models made with it could no longer be decoded); choose another folder, or --overwrite")
     if args.dataset == "digits":
         channels = 1
         images, _ = digits_images(args.size)

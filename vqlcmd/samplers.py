@@ -89,7 +89,11 @@ def ddim_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s):
 def class_label_tensor(class_labels, num_images: Optional[int]) -> torch.Tensor:
     """``class_labels`` as a flat int64 tensor; a fractional label (which a cast would truncate) or a
     ``num_images`` that disagrees with the labels' count is an error, not silently dropped."""
-    labels = torch.as_tensor(class_labels).reshape(-1)
+    try:
+        labels = torch.as_tensor(class_labels).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as exc:  # names ("cat"), ragged lists: torch's own words
+        raise ValueError(f"class_labels must be integer class ids (a pipeline's class_names lists the name of "
+                         f"each), got {str(class_labels)[:80]} ({exc})") from None
     if labels.is_floating_point():
         fractional = labels[labels != labels.round()]
         if fractional.numel():

@@ -295,3 +295,15 @@ def test_cli_set_reaches_the_deepspeed_part(tmp_path, tiny_shards, make_config):
     p.write_text(json.dumps({"train_batch_size": 128, "vqlcmd": {}}))
     ds, _ = load_config(str(p), edit_deepspeed=lambda raw: raw.update(train_batch_size=16))
     assert ds["train_batch_size"] == 16
+
+
+def test_a_run_too_short_for_its_warm_up_or_ema_is_warned_about():
+    from vqlcmd.engine.trainer import run_length_warnings
+
+    short = parse_vqlcmd_section({"train": {"steps": 20}, "optimizer": {"warmup_steps": 5000},
+                                  "ema": {"sampling": 0.9999, "teacher": 0.99}})
+    found = run_length_warnings(short)
+    assert len(found) == 2
+    assert "optimizer.warmup_steps 5000 >= train.steps 20" in found[0]
+    assert "ema.sampling 0.9999 keeps 100% of the initial weights after train.steps 20" in found[1]
+    assert run_length_warnings(load_config("ds_digits")[1]) == []  # the quick start's own: nothing to say

@@ -78,6 +78,7 @@ def test_an_unconditional_digits_run_reports_without_accuracy(tiny_config, capsy
     trainer.header["source"] = DIGITS_SOURCE
     report = final_report(trainer, per_class=2)
     assert "accuracy" not in report and report["spread_ratio"] >= 0 and "fid" in report
+    assert report["guidance_scale"] == 0.0  # the exported default (1.0) guided nothing
     assert json.loads((trainer.out_dir / "report.json").read_text()) == report
     assert "within-class spread" in capsys.readouterr().out
 

@@ -288,3 +288,10 @@ def test_a_backend_that_cannot_serve_the_sampler_is_refused_up_front(tiny_pipeli
     if not os.environ.get("TRITON_INTERPRET"):  # installed, but not for CPU tensors
         with pytest.raises(ValueError, match="backend='triton' cannot serve the sampler's"):
             tiny_pipeline([0], num_steps=2, output_type="tokens", backend="triton")
+
+
+def test_class_names_as_labels_get_a_message_that_says_labels_are_ids(tiny_pipeline):
+    # torch's own words were "too many dimensions 'str'"
+    assert tiny_pipeline.class_names == list("abcd")
+    with pytest.raises(ValueError, match=r"class_labels must be integer class ids \(a pipeline's class_names"):
+        tiny_pipeline(["b"], output_type="tokens")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -178,3 +179,23 @@ def test_a_refusal_on_rank_0_stops_every_rank(tmp_path, where, said):
     mp.spawn(_manifest_worker, args=(str(tmp_path / "init"), str(tmp_path / where), results), nprocs=2, join=True)
     assert said in results[0]
     assert results[1] == results[0]
+
+
+def test_an_explicit_guidance_scale_on_an_unconditional_model_is_refused(sample_script, tiny_pipeline, tmp_path,
+                                                                         capsys):
+    """It was silently set to 0, while the API and --labels on the same pipeline refuse the request."""
+    from vqlcmd import VQLCMDNetwork, preset_config
+    from vqlcmd.pipeline import VQLCMDPipeline
+    from vqlcmd.schedule import ShiftedCosineSchedule
+
+    torch.manual_seed(0)
+    pipe = VQLCMDPipeline(VQLCMDNetwork(preset_config("tiny", num_classes=0)), ShiftedCosineSchedule(),
+                          tokenizer=tiny_pipeline.tokenizer, tokenizer_ref=tiny_pipeline.tokenizer_ref,
+                          sample_defaults={"num_steps": 2, "guidance_scale": 1.0})
+    folder = pipe.save_pretrained(tmp_path / "uncond")
+    out = tmp_path / "s"
+    with pytest.raises(SystemExit, match=r"--guidance-scale 2\.0: .* holds an unconditional model"):
+        sample_script.main(_args(folder, out, "--guidance-scale", "2"))
+    assert not out.exists()
+    sample_script.main(_args(folder, out))  # the exported default (1.0) is dropped, as the API drops it
+    assert len(_read(out)) == 7

@@ -23,6 +23,13 @@ def test_trains_and_saves(tmp_path):
     assert tok.grid == (8, 8) and tok.codebook_size == 32 and tok.channels == 1
     assert tok.identifier == metrics["tokenizer_id"]
     assert metrics["images"] == 1797 and 1 <= metrics["codebook_usage"] <= 32
+    # a second run into the same folder would replace the tokenizer that shards and models name by its folder
+    again = subprocess.run([sys.executable, str(SCRIPT), "--dataset", "digits", "--out", str(out), "--steps", "2",
+                            "--size", "16", "--channels-per-block", "8,16", "--codebook-size", "32", "--code-dim",
+                            "4", "--batch-size", "8", "--seed", "1", "--no-progress"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and f"--out {out} is not empty" in again.stderr and "--overwrite" in again.stderr
+    assert load_tokenizer(out).identifier == metrics["tokenizer_id"]  # untouched
 
 
 def _parse(*argv):

@@ -45,6 +45,21 @@ def _signal_name(signum: Optional[int]) -> str:
     return signal.Signals(signum).name if signum else "another rank's signal"  # None: learnt from another rank
 
 
+def run_length_warnings(cfg: VQLCMDConfig) -> list:
+    """Settings that a run of ``train.steps`` steps cannot play out, as a shipped config shrunk with
+    ``--set train.steps=20`` gives: it trained inside its warm-up and exported near-initial weights."""
+    steps, warnings = cfg.train.steps, []
+    if cfg.optimizer.warmup_steps >= steps:
+        warnings.append(f"optimizer.warmup_steps {cfg.optimizer.warmup_steps} >= train.steps {steps}: the run ends "
+                        "inside its warm-up, below optimizer.lr")
+    decay = cfg.ema.sampling  # the exported weights (the teacher's lag is what a consistency target is)
+    if decay > 0 and decay ** steps > 0.1:  # an EMA of rate η keeps η^n of its start after n steps
+        warnings.append(f"ema.sampling {decay} keeps {100 * decay ** steps:.0f}% of the initial weights after "
+                        f"train.steps {steps} (it averages over ~{1 / (1 - decay):.0f} steps): the exported "
+                        "pipeline samples from near its start")
+    return warnings
+
+
 class TrainingInterrupted(RuntimeError):
     """SIGINT or SIGTERM (Ctrl-C, a preempted job) stopped the run at a step boundary, after a checkpoint."""
 
@@ -228,6 +243,8 @@ class Trainer:
                  f"{self.world} rank(s) x micro-batch {micro} x accumulation {gas}, ZeRO stage "
                  f"{ds.get('zero_optimization', {}).get('stage', 0)}, {'bf16' if self.bf16 else 'fp32'} ({bf16_why}), "
                  f"attention {attn}, device {self.device}")
+        for warning in run_length_warnings(cfg):
+            self.log(f"warning: {warning}")
         self.tb = None
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
