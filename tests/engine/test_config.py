@@ -306,4 +306,4 @@ def test_a_run_too_short_for_its_warm_up_or_ema_is_warned_about():
     assert len(found) == 2
     assert "optimizer.warmup_steps 5000 >= train.steps 20" in found[0]
     assert "ema.sampling 0.9999 keeps 100% of the initial weights after train.steps 20" in found[1]
-    assert run_length_warnings(load_config("ds_digits")[1]) == []  # the quick start's own: nothing to say
+    assert run_length_warnings(load_config("ds_digits.json")[1]) == []  # the quick start's own: nothing to say
