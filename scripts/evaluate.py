@@ -114,7 +114,42 @@ def image_source(path: Path, batch_size: int):
     raise SystemExit(f"{path}: expected an image folder or a .npz file")
 
 
-def reference_features(ref: Path, extractor, batch_size: int) -> dict:
+def _image_size(path: Path) -> tuple:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.height, im.width
+
+
+def needs_resizing(folder: Path, size: tuple) -> bool:
+    """Whether a reference folder is a class-folder tree (no images at its top level), or holds images of
+    another size than the samples' (headers only): then it is read as scripts/tokenize.py reads a tree."""
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
+    if not files:
+        return any(p.is_dir() for p in folder.iterdir())
+    return any(_image_size(f) != size for f in files)
+
+
+def tree_batches(folder: Path, size: tuple, batch_size: int):
+    """uint8 NHWC batches of an image tree (class folders, or flat; any sizes and modes) at the samples' size,
+    each image resized on its shorter side and centre-cropped as the tokenizer's training images were."""
+    from vqlcmd.data import image_batches, list_images
+
+    if size[0] != size[1]:
+        raise SystemExit(f"--ref {folder}: its images are resized to the samples' size, which must be square, "
+                         f"got {size[1]}x{size[0]}")
+    images = list_images(folder)
+    if not len(images.files):
+        raise SystemExit(f"--ref {folder}: no images")
+    for x, _ in image_batches(images, size[0], batch_size, backend="pil", channels=3):
+        yield ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def reference_features(ref: Path, extractor, batch_size: int, sample_size: tuple = None) -> dict:
+    if ref.is_dir() and sample_size is not None and needs_resizing(ref, sample_size):
+        print(f"--ref {ref}: read as an image tree, each image resized and centre-cropped to the samples' "
+              f"{sample_size[1]}x{sample_size[0]}", file=sys.stderr)
+        return extractor(tree_batches(ref, sample_size, batch_size))
     if ref.suffix == ".npz":
         with load_npz(ref) as data:
             keys = set(data.files)
@@ -136,7 +171,7 @@ def _statistics_without_features(ref: Path) -> bool:
 
 
 def evaluate_inception(args) -> dict:
-    from vqlcmd.metrics.inception import InceptionFeatures, inception_metrics
+    from vqlcmd.metrics.inception import InceptionFeatures, as_uint8_nchw, inception_metrics
     from vqlcmd.metrics.stats import feature_statistics
 
     metrics = tuple(args.metrics)
@@ -152,10 +187,21 @@ def evaluate_inception(args) -> dict:
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(str(exc))
     _, batches = image_source(Path(args.samples), args.batch_size)
-    fake = extractor(batches)
+    sizes = []
+
+    def noting_size(batches):  # the samples' (H, W), for a reference tree that needs resizing to it
+        for batch in batches:
+            if not sizes:
+                try:
+                    sizes.append(tuple(as_uint8_nchw(batch).shape[-2:]))
+                except ValueError:
+                    pass  # the extractor names the problem
+            yield batch
+
+    fake = extractor(noting_size(batches))
     ref = {}
     if args.ref:
-        ref = reference_features(Path(args.ref), extractor, args.batch_size)
+        ref = reference_features(Path(args.ref), extractor, args.batch_size, sizes[0] if sizes else None)
         if args.save_ref and "pool" in ref:
             mu, sigma = feature_statistics(ref["pool"])
             np.savez(args.save_ref, mu=mu, sigma=sigma, pool=ref["pool"])
@@ -194,7 +240,9 @@ def evaluate_digits(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("samples", help="sample folder or .npz")
-    p.add_argument("--ref", default=None, help="reference: image folder, .npz batch, or saved statistics")
+    p.add_argument("--ref", default=None,
+                   help="reference: image folder (a class-folder tree, or images of other sizes, are resized and "
+                        "centre-cropped to the samples' size), .npz batch, or saved statistics")
     p.add_argument("--digits", action="store_true", help="digits metrics against the embedded real digits")
     p.add_argument("--inception-weights", default=None,
                    help="local weights-inception-2015-12-05-6726825d.pth (default $VQLCMD_INCEPTION_WEIGHTS)")

@@ -200,6 +200,20 @@ def test_an_image_over_pils_pixel_limit_is_skipped_naming_it(tmp_path, monkeypat
         _all(list_images(tmp_path, check="none"), "pil")
 
 
+def test_float_and_32_bit_integer_images_are_skipped_naming_the_mode(tmp_path):
+    """PIL turned a float TIFF (values in [0, 1]) all black and an int32 one all white; DALI failed on the
+    second: their range is unknown, so they are skipped up front with the reason."""
+    import numpy as np
+
+    Image.fromarray(np.random.default_rng(0).random((12, 12), dtype=np.float32), "F").save(tmp_path / "f.tif")
+    Image.fromarray(np.full((12, 12), 70000, dtype=np.int32), "I").save(tmp_path / "i.tif")
+    Image.fromarray(_picture(10, 10, 1)).save(tmp_path / "ok.png")
+    with pytest.warns(UserWarning, match=r"skipping 2 unreadable image\(s\).*f\.tif \(32-bit float pixels \(mode F\)"
+                                         r".*i\.tif \(32-bit integer pixels \(mode I\)"):
+        il = list_images(tmp_path)
+    assert [f.split("/")[-1] for f in il.files] == ["ok.png"]
+
+
 def test_linked_folders_inside_a_class_are_followed(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     Image.fromarray(_picture(10, 10, 0)).save(tmp_path / "elsewhere" / "linked.png")

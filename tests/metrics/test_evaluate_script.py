@@ -111,6 +111,32 @@ def test_inception_mode_fid_is_pr(evaluate, inception_weights, tmp_path):
     assert json.loads((tmp_path / "other2.json").read_text())["fid"] == pytest.approx(other_r["fid"], rel=1e-5)
 
 
+def test_a_class_folder_tree_of_other_sizes_is_a_reference(evaluate, inception_weights, tmp_path, capsys):
+    """The user's own training tree: "no .png files" at its top, "images of different sizes" in a class. It
+    is read as scripts/tokenize.py reads it, at the samples' size (the same pixels where sizes agree)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    samples = rng.integers(0, 256, (8, 24, 24, 3), dtype=np.uint8)
+    np.savez(tmp_path / "samples.npz", arr_0=samples)
+    for i, a in enumerate(samples):  # two classes, and one image at another size
+        folder = tmp_path / "tree" / "ab"[i % 2]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(a).save(folder / f"{i}.png")
+    Image.fromarray(samples[0]).resize((48, 60)).save(tmp_path / "tree" / "a" / "big.png")
+    w = ["--inception-weights", str(inception_weights), "--splits", "2", "--batch-size", "8"]
+    evaluate.main([str(tmp_path / "samples.npz"), "--ref", str(tmp_path / "tree"), *w, "--json",
+                   str(tmp_path / "r.json"), "--metrics", "fid,pr"])
+    assert "read as an image tree, each image resized and centre-cropped to the samples' 24x24" in \
+        capsys.readouterr().err
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["num_samples"] == 8 and result["precision"] == 1.0  # every sample is one of the tree's images
+    x = torch.as_tensor(np.concatenate(list(evaluate.tree_batches(tmp_path / "tree", (24, 24), 4))))
+    assert x.shape == (9, 24, 24, 3)
+    exact = [i for i in range(9) if any(torch.equal(x[i], torch.as_tensor(a)) for a in samples)]
+    assert len(exact) == 8  # same-size images come through untouched; the big one is resized
+
+
 def test_missing_weights_name_the_file(evaluate, tmp_path, monkeypatch):
     np.savez(tmp_path / "s.npz", arr_0=np.zeros((2, 8, 8, 3), np.uint8))
     monkeypatch.delenv("VQLCMD_INCEPTION_WEIGHTS", raising=False)

@@ -118,6 +118,9 @@ def unreadable_reason(path, decode: bool = False) -> str | None:
         with Image.open(path) as im:
             if im.width < 1 or im.height < 1:
                 return "zero-sized image"
+            if im.mode in ("F", "I"):  # PIL made them all black (F in [0, 1]) or all white; DALI fails on I
+                return (f"{'32-bit float' if im.mode == 'F' else '32-bit integer'} pixels (mode {im.mode}), whose "
+                        "range is unknown: convert to 8 or 16 bits")
             if decode:
                 im.load()
     except UnidentifiedImageError:
