@@ -196,7 +196,8 @@ class VQLCMDPipeline:
         ``generator``: one ``torch.Generator`` (reproducible for the same ``batch_size``) or a list with one
         generator per image (see ``image_generators``): then each image depends only on its own generator,
         not on the batch or rank that draws it. ``batch_size`` bounds the images per denoiser batch
-        (guidance doubles the rows; default ``default_batch_size(device)``). ``output_type``: "pil" (list
+        (guidance doubles the rows; default ``default_batch_size(device)``); each batch is decoded as it
+        is drawn, ``DECODE_BATCH`` images per decoder call. ``output_type``: "pil" (list
         of PIL images), "pt" (float tensor in [0, 1], (N, C, H, W)) or "tokens" ((N, h, w) int64, no
         tokenizer needed). Defaults for
         ``num_steps``, ``guidance_scale``, ``sampler`` and ``final`` come from the exported config.
