@@ -298,9 +298,7 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             times.append((time.perf_counter() - t0) * 1e3)
             if _spent(times, budget_s):
                 break
-        if setup:
-            setup()
-        peak = cpu_peak_bytes(fn)
+        peak = cpu_peak_bytes(fn, setup)
     return summarize(times, int(peak))
 
 
@@ -308,19 +306,41 @@ def _spent(times_ms: list, budget_s: Optional[float]) -> bool:
     return budget_s is not None and len(times_ms) >= MIN_REPS and sum(times_ms) > 1e3 * budget_s
 
 
-def cpu_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes allocated during ``fn()`` on CPU: the running maximum of the allocations minus
-    the frees, in the order they happened. PyTorch's CPU allocator is not seen by tracemalloc,
-    so this uses the profiler's memory accounting."""
-    from torch.profiler import ProfilerActivity, profile
+_MEASURED = "vqlcmd::measured_call"
+
+
+def cpu_peak_bytes(fn: Callable[[], object], setup: Optional[Callable[[], object]] = None) -> int:
+    """Peak bytes held during ``fn()`` on CPU above what was held when it started: the running maximum of
+    the allocations minus the frees, in the order they happened. PyTorch's CPU allocator is not seen by
+    tracemalloc, so this uses the profiler's memory accounting.
+
+    The profiler sees no free of a block allocated before it started, so a call that drops a tensor it
+    held (``x.grad = None``, ``zero_grad(set_to_none=True)``) and allocates a new one read as holding both
+    (sdpa fwd+bwd 10.2 MiB against 4.2). So one warm-up call runs inside the same profile, and the level
+    is measured from the measured call's start, where the warm-up's own tensors are known."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if setup:
+            setup()
         fn()
-    level = peak = 0
-    for _, nbytes in sorted(_cpu_memory_records(prof), key=lambda r: r[0]):  # stable: ties keep their order
+        if setup:
+            setup()
+        with record_function(_MEASURED):
+            fn()
+    start = min((e.time_range.start for e in prof.events() if e.name == _MEASURED), default=None)
+    if start is None:
+        raise RuntimeError(f"the profiler recorded no {_MEASURED} range: benchmarks/harness.py needs updating")
+    start_ns = start * 1000 + prof.profiler.kineto_results.trace_start_ns()  # events are in µs from the trace start
+    level = peak = base = 0
+    measuring = False
+    for t, nbytes in sorted(_cpu_memory_records(prof), key=lambda r: r[0]):  # stable: ties keep their order
+        if not measuring and t >= start_ns:
+            measuring, base, peak = True, level, level
         level += nbytes
-        peak = max(peak, level)
-    return peak
+        if measuring:
+            peak = max(peak, level)
+    return max(0, peak - base)
 
 
 def _cpu_memory_records(prof) -> list[tuple[int, int]]:

@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+import traceback
 import time
 from pathlib import Path
 
@@ -60,14 +61,28 @@ def split_list(values: list[str] | None) -> list[str] | None:
     return [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
+def missing_dependency(exc: ImportError) -> bool:
+    """A third-party package that is not installed (a SKIPPED stage), not an import error of the project's own
+    code (a renamed vqlcmd function must read FAILED, not look like an optional dependency)."""
+    name = getattr(exc, "name", None) or ""
+    return isinstance(exc, ModuleNotFoundError) and name.split(".")[0] not in ("", "vqlcmd", "benchmarks", "kernels")
+
+
+def _failed(stage: str, what: str, exc: Exception) -> list:
+    traceback.print_exception(exc, file=sys.stderr)  # the row keeps one line; the traceback says where
+    return [Skip(stage, "", "", f"{what} {describe_error(exc)}", failed=True)]
+
+
 def run_stage(name: str, ctx: Context) -> list:
     """Import and run one stage; whatever goes wrong becomes a stage-level Skip row."""
     try:
         module = importlib.import_module(f"benchmarks.stage_{name}")
     except ImportError as exc:
-        return [Skip(name, "", "", f"missing dependency: {describe_error(exc)}")]
+        if missing_dependency(exc):
+            return [Skip(name, "", "", f"missing dependency: {describe_error(exc)}")]
+        return _failed(name, "import failed:", exc)
     except Exception as exc:  # noqa: BLE001: a broken stage file must not end the run
-        return [Skip(name, "", "", f"import failed: {describe_error(exc)}", failed=True)]
+        return _failed(name, "import failed:", exc)
     stage = getattr(module, "STAGE", name)
     if not callable(getattr(module, "run", None)):
         return [Skip(stage, "", "", "stage module has no run(ctx)", failed=True)]
@@ -76,9 +91,11 @@ def run_stage(name: str, ctx: Context) -> list:
     except StageSkipped as exc:
         return [Skip(stage, "", "", str(exc))]
     except ImportError as exc:
-        return [Skip(stage, "", "", f"missing dependency: {describe_error(exc)}")]
+        if missing_dependency(exc):
+            return [Skip(stage, "", "", f"missing dependency: {describe_error(exc)}")]
+        return _failed(stage, "stage raised", exc)
     except Exception as exc:  # noqa: BLE001
-        return [Skip(stage, "", "", f"stage raised {describe_error(exc)}", failed=True)]
+        return _failed(stage, "stage raised", exc)
     finally:
         if ctx.is_cuda:
             torch.cuda.empty_cache()
@@ -103,10 +120,17 @@ def speedups(records: list) -> dict[int, float]:
     for r in results:
         if r.baseline:
             base = by_key.get(_key(r, r.baseline))
-            if base is not None and r.timing.median_ms > 0:
+            if base is not None and r.timing.median_ms > 0 and timing_method(r) == timing_method(base):
                 out[id(r)] = base.timing.median_ms / r.timing.median_ms
                 out[id(base)] = 1.0
     return out
+
+
+def timing_method(r: Result) -> str:
+    """How a GPU row was timed ("graph replay", "kernel sum", "launch"; "" for plain timing): a ratio of two
+    methods (replay against a profiler kernel sum, which reads a little lower) is no speed-up, so none is
+    given."""
+    return str((r.extra or {}).get("timing", "")).split(" (")[0]
 
 
 def is_baseline(r: Result, ups: dict[int, float]) -> bool:
@@ -255,7 +279,8 @@ def main(argv=None) -> int:
     if args.stage and not stages:
         print(f"--stage {args.stage}: no stage named; known: {', '.join(known)}", file=sys.stderr)
         return 2
-    stages = stages or known
+    # once each: a stage given twice paired its rows with the other run's baseline in the printed table
+    stages = list(dict.fromkeys(stages or known))
     unknown = [s for s in stages if s not in known]
     if unknown:
         print(f"unknown stage(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
@@ -289,6 +314,7 @@ def main(argv=None) -> int:
           f" | {meta['timestamp']}{' | quick' if args.quick else ''}{malloc}", flush=True)
 
     records: list = []
+    per_stage: list = []
     for name in stages:
         t0 = time.perf_counter()
         print(f"[{name}] running ...", file=sys.stderr, flush=True)
@@ -298,10 +324,11 @@ def main(argv=None) -> int:
         print(f"[{name}] {n_ok} measured, {n_not} not measured, {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
         records += stage_records
+        per_stage.append(stage_records)
         # append as we go: a run killed late still leaves the finished stages on disk
         append_rows(args.out, to_rows(stage_records, speedups(stage_records), meta))
 
-    print(format_table(records, speedups(records)))
+    print(format_table(records, {k: v for recs in per_stage for k, v in speedups(recs).items()}))
     print(f"\nappended {len(records)} rows to {args.out}")
     seen = ctx.asked | {r.backend for r in records}
     unheard = [b for b in ctx.backends or [] if b not in seen]

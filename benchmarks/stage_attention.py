@@ -55,14 +55,16 @@ def _backends(ctx: Context, out: list) -> dict:
         why = ops.why_not("short_attention", "compiled", probe, probe, probe)
         if why is None:
             backends["compiled"] = ("compiled", contextlib.nullcontext)
-        else:
+        elif ctx.wants("compiled"):  # (a --backend that leaves it out asks for no row of it)
             out.append(Skip(STAGE, "", "compiled", why))
     for name, fn in (("flash3", attn_mod._fa3_func), ("flash2", attn_mod._fa2_func)):
         if fn is None:
             package = "flash_attn_interface (FlashAttention-3)" if name == "flash3" else "flash_attn"
-            out.append(Skip(STAGE, "", name, f"{package} is not installed"))
+            if ctx.wants(name):
+                out.append(Skip(STAGE, "", name, f"{package} is not installed"))
         elif not ctx.is_cuda:
-            out.append(Skip(STAGE, "", name, "needs CUDA fp16/bf16 tensors"))
+            if ctx.wants(name):
+                out.append(Skip(STAGE, "", name, "needs CUDA fp16/bf16 tensors"))
         else:
             backends[name] = (name, contextlib.nullcontext)
     return {k: v for k, v in backends.items() if ctx.wants(k, baseline=k == BASELINE)}

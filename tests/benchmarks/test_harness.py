@@ -127,6 +127,30 @@ def test_cpu_peak_is_the_most_memory_held_at_once():
     assert harness.cpu_peak_bytes(fn) == 3 * mib
 
 
+def test_cpu_peak_counts_from_what_the_call_held_when_it_started():
+    """A call that drops a tensor held from before (x.grad = None) and makes a new one holds no more than
+    before; the profiler saw no free of the old block, so both were counted (sdpa fwd+bwd: 10.2 MiB
+    against 4.2)."""
+    mib = 2**20
+    held = {"grad": torch.empty(4 * mib, dtype=torch.uint8)}
+
+    def replace():
+        held["grad"] = None
+        held["grad"] = torch.empty(4 * mib, dtype=torch.uint8)
+
+    assert harness.cpu_peak_bytes(replace) == 0
+    x = torch.randn(512, 512, requires_grad=True)  # 1 MiB
+
+    def fwd_bwd():
+        x.grad = None
+        (x * x).sum().backward()  # x * x saved? no: x twice; its output 1 MiB, then the 1 MiB gradient
+
+    assert harness.cpu_peak_bytes(fwd_bwd) <= 2 * mib + 4096
+    calls = []
+    assert harness.cpu_peak_bytes(lambda: calls.append("fn"), lambda: calls.append("setup")) == 0
+    assert calls == ["setup", "fn", "setup", "fn"]  # a warm call, then the measured one, each after its setup
+
+
 def test_cpu_peak_fails_loudly_without_the_profilers_memory_records():
     class NoRecords:
         profiler = object()  # no kineto_results

@@ -109,6 +109,43 @@ def test_speedups_pair_each_result_with_its_baseline_only():
     assert ups[id(unnamed)] == pytest.approx(1.0) and bench.is_baseline(unnamed, ups)
 
 
+def test_rows_timed_by_different_methods_get_no_speedup():
+    # a graph-replayed baseline against a profiler kernel sum (which reads a little lower) is no speed-up
+    base = _result("base", 4.0, extra={"timing": "graph replay", "launch_ms": 5.0})
+    summed = _result("fast", 2.0, extra={"timing": "kernel sum (capture failed: x)"})
+    replayed = _result("fast", 2.0, case="bwd", extra={"timing": "graph replay"})
+    base_bwd = _result("base", 3.0, case="bwd", extra={"timing": "graph replay (y)"})
+    ups = bench.speedups([base, summed, replayed, base_bwd])
+    assert id(summed) not in ups and ups[id(replayed)] == pytest.approx(1.5)
+
+
+def test_only_a_missing_third_party_package_skips_a_stage(monkeypatch):
+    def needs(module):
+        def run(ctx):
+            raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+        return run
+
+    ctx = Context(torch.device("cpu"), quick=True)
+    monkeypatch.setitem(sys.modules, "benchmarks.stage_dep", types.SimpleNamespace(STAGE="dep", run=needs("nvidia.dali")))
+    (row,) = bench.run_stage("dep", ctx)
+    assert not row.failed and "missing dependency" in row.reason
+    # the project's own module: a renamed function or file reads FAILED, with its traceback on stderr
+    monkeypatch.setitem(sys.modules, "benchmarks.stage_own",
+                        types.SimpleNamespace(STAGE="own", run=needs("vqlcmd.data.renamed")))
+    (row,) = bench.run_stage("own", ctx)
+    assert row.failed and "vqlcmd.data.renamed" in row.reason
+
+
+def test_a_stage_given_twice_runs_once(tmp_path, monkeypatch):
+    runs = []
+    monkeypatch.setitem(sys.modules, "benchmarks.stage_once",
+                        types.SimpleNamespace(STAGE="once", run=lambda ctx: runs.append(1) or []))
+    monkeypatch.setattr(bench, "discover", lambda: ["once"])
+    assert bench.main(["--stage", "once,once", "--stage", "once", "--device", "cpu",
+                       "--out", str(tmp_path / "r.jsonl")]) == 0
+    assert runs == [1]
+
+
 def test_rows_go_to_jsonl_and_csv_and_skips_to_the_table(tmp_path):
     records = [_result("base", 4.0, extra={"GB/s": 1.5}), _result("fast", 2.0),
                Skip("s", "", "missing", "not installed"), Skip("s", "fwd", "broken", "RuntimeError: x", failed=True)]
