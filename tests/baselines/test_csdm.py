@@ -56,17 +56,24 @@ def test_csdm_fixed_network_is_the_codebook(tiny_digits):
     assert not net.embedding.weight.requires_grad
 
 
-def test_csdm_fixed_never_updates_the_codebook(tiny_config):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_csdm_fixed_never_updates_the_codebook(tiny_config, tiny_digits, bf16):
+    """In bf16 the model holds the codebook rounded to bf16 (and no fp32 copy): the EMAs drifted from the
+    fp32 codebook toward it, so the exported table was neither; it is rounded once, before training."""
+    from vqlcmd.baselines.csdm import codebook_from_tokenizer
     from vqlcmd.engine.trainer import Trainer
 
     ds, cfg = load_config(str(tiny_config(steps=4, method="csdm_fixed")))
-    tr = Trainer(ds, cfg, log=lambda *a, **k: None)
-    before = tr.net.embedding.weight.detach().clone()
+    tr = Trainer({**ds, "bf16": {"enabled": bf16}}, cfg, log=lambda *a, **k: None)
+    code = codebook_from_tokenizer(tiny_digits[1])
+    before = tr.net.embedding.weight.detach().float().clone()  # the codebook and the [mask] row
+    torch.testing.assert_close(before[:16], code.bfloat16().float() if bf16 else code, rtol=0, atol=0)
     den_before = [p.detach().clone() for p in tr.net.denoiser.parameters()]
     hist = tr.train(progress=False)
     assert len(hist) == 4 and all("l_cm" not in h for h in hist)
-    torch.testing.assert_close(tr.net.embedding.weight.detach(), before, rtol=0, atol=0)
-    torch.testing.assert_close(tr.teacher.module.embedding.weight, before, rtol=0, atol=0)
+    torch.testing.assert_close(tr.net.embedding.weight.detach().float(), before, rtol=0, atol=0)
+    for ema in (tr.teacher, tr.sampling_ema):
+        torch.testing.assert_close(ema.module.embedding.weight, before, rtol=0, atol=0)
     assert any(not torch.equal(a, b.detach()) for a, b in zip(den_before, tr.net.denoiser.parameters()))
 
 
@@ -93,3 +100,31 @@ def test_maskgit_trains_and_exports_its_sampler(tiny_config):
     assert pipe.maskgit.num_steps == 4 and pipe.extra_config["method"] == "maskgit"
     images = pipe([0, 1, 2], output_type="pt", generator=torch.Generator().manual_seed(0))
     assert images.shape == (3, 1, 16, 16) and 0 <= images.min() and images.max() <= 1
+
+
+def test_a_config_built_in_code_gets_its_methods_switches(tiny_config):
+    """The switches were forced only as a file was parsed: replace(cfg, method="csdm") trained the full
+    VQ-LCMD loss under the name csdm, and a misspelt method trained VQ-LCMD without a word."""
+    import dataclasses
+
+    from vqlcmd.engine.config import ConfigError
+    from vqlcmd.engine.trainer import Trainer
+
+    ds, cfg = load_config(str(tiny_config(steps=1)))
+    tr = Trainer(ds, dataclasses.replace(cfg, method="csdm"), log=lambda *a, **k: None)
+    assert (tr.cfg.loss.beta_cm, tr.cfg.loss.drop_strategy, tr.cfg.loss.weighting) == (0.0, "none", "vlb")
+    with pytest.raises(ConfigError, match=r"vqlcmd\.method must be one of .* got 'MaskGIT'"):
+        Trainer(ds, dataclasses.replace(cfg, method="MaskGIT"), log=lambda *a, **k: None)
+
+
+def test_csdm_fixed_resume_with_another_codebook_rescale_is_refused(tiny_config):
+    import dataclasses
+
+    from vqlcmd.engine.config import ConfigError
+    from vqlcmd.engine.trainer import Trainer
+
+    ds, cfg = load_config(str(tiny_config(steps=1, method="csdm_fixed")))
+    Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)
+    changed = dataclasses.replace(cfg, csdm=dataclasses.replace(cfg.csdm, codebook_rescale=False))
+    with pytest.raises(ConfigError, match=r"vqlcmd\.csdm = \{\"codebook_rescale\": true\}"):
+        Trainer(ds, changed, log=lambda *a, **k: None)

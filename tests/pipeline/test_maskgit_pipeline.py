@@ -35,6 +35,21 @@ def test_a_maskgit_folder_loads_as_maskgit(maskgit, tiny_pipeline, tmp_path):
         MaskGITPipeline.from_pretrained(tiny_pipeline.save_pretrained(tmp_path / "lcmd"))
 
 
+def test_sampler_settings_changed_on_the_pipeline_are_saved(tiny_pipeline, tmp_path):
+    # the config.json kept the settings of construction time: the reloaded pipeline sampled differently
+    import dataclasses
+
+    p = tiny_pipeline
+    pipe = MaskGITPipeline(p.network, p.schedule, tokenizer=p.tokenizer, tokenizer_ref=p.tokenizer_ref,
+                           class_names=p.class_names, maskgit=MaskGITConfig(num_steps=3))
+    pipe.maskgit = dataclasses.replace(pipe.maskgit, num_steps=5, gumbel_temperature=2.0)
+    loaded = VQLCMDPipeline.from_pretrained(pipe.save_pretrained(tmp_path / "mg"))
+    assert loaded.maskgit == pipe.maskgit and loaded.sample_defaults["num_steps"] == 5
+    kw = dict(output_type="tokens", guidance_scale=0.0)
+    assert torch.equal(loaded(LABELS, generator=torch.Generator().manual_seed(0), **kw),
+                       pipe(LABELS, generator=torch.Generator().manual_seed(0), **kw))
+
+
 def test_per_image_generators_do_not_depend_on_batching(maskgit):
     seeds = [3, 4, 5, 6, 7, 8, 9]
     whole = maskgit(LABELS, generator=image_generators(seeds), batch_size=7, output_type="tokens")

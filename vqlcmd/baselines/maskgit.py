@@ -32,7 +32,7 @@ class MaskGITConfig:
     train_schedule: str = "cosine"  # γ(r) of the training mask ratio (Chang et al.: cosine)
     label_smoothing: float = 0.1  # Besnier & Chen train with 0.1
     sample_schedule: str = "arccos"  # tokens unmasked per step (Besnier & Chen's default)
-    num_steps: int = 8  # the paper's MaskGIT row uses 8 steps
+    num_steps: int = 8  # the paper's ImageNet MaskGIT rows use 8 (its unconditional table: 200 for every model)
     gumbel_temperature: float = 4.5  # r_temp; the noise decays linearly to 0 over the steps
     softmax_temperature: float = 1.0  # logits are multiplied by it before the softmax
     guidance_ramp: bool = True  # ω · n / (N − 1) at step n (Besnier & Chen); False: constant ω
@@ -66,7 +66,7 @@ def mask_ratio(r: torch.Tensor, schedule: str) -> torch.Tensor:
 def unmask_schedule(num_steps: int, seq_len: int, mode: str = "arccos") -> torch.Tensor:
     """Tokens to unmask at each of ``num_steps`` steps: (N,) int64, each >= 1, summing to ``seq_len``.
 
-    After Besnier & Chen's ``adap_sche``: weights v_n = 1 − γ(r_n) (for arccos: arccos(r)/(π/2)), scaled
+    After Besnier & Chen's ``adap_sche``: weights v_n = γ(r_n) (for arccos: arccos(r)/(π/2)), scaled
     to sum to M, rounded, zeros raised to 1, the remainder added to the last step. The grid is
     r_n = linspace(1, 0, N+1)[1:], as in later versions derived from their code; their own uses
     linspace(1, 0, N), whose r_0 = 1 decodes a single token first (N = 8: for M = 256 theirs gives 1, 18,
@@ -195,6 +195,12 @@ class MaskGITPipeline(VQLCMDPipeline):
         self.sample_defaults = {**self.sample_defaults, "sampler": "maskgit", "num_steps": maskgit.num_steps}
         self.extra_config["method"] = "maskgit"
         self.extra_config["maskgit"] = maskgit.to_dict()
+
+    def save_pretrained(self, folder):
+        # the sampler as it is now: settings changed on pipe.maskgit after construction were saved as they were
+        self.extra_config["maskgit"] = self.maskgit.to_dict()
+        self.sample_defaults = {**self.sample_defaults, "num_steps": self.maskgit.num_steps}
+        return super().save_pretrained(folder)
 
     @torch.no_grad()
     def __call__(self, class_labels=None, *, num_images: Optional[int] = None, num_steps: Optional[int] = None,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..baselines import MaskGITPipeline, build_network, maskgit_losses
+from ..baselines import MaskGITPipeline, apply_method, build_network, maskgit_losses
 from ..diffusion import training_losses
 from ..ema import EMA
 from ..embedding import collapse_indicator
@@ -121,6 +121,12 @@ class Trainer:
         from ..data.loader import ShardLoader
         from ..data.shards import TokenShardDataset
 
+        # the method's switches, for a config built or edited in code too (a file's are forced as it is parsed):
+        # dataclasses.replace(cfg, method="csdm") trained the full VQ-LCMD loss under the name csdm
+        try:
+            cfg = apply_method(cfg)
+        except ValueError as exc:
+            raise ConfigError(f"vqlcmd.{exc}") from exc
         self.cfg = cfg
         check_deepspeed_section(ds_config, "the DeepSpeed config", warn=False)  # (ZeRO-3 too, when built in code)
         if cfg.data.dataset is None:  # path errors are reported before any process group is set up
@@ -202,6 +208,14 @@ class Trainer:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         den_cfg = net.config
+        if self.bf16:
+            # DeepSpeed's bf16 module holds frozen tensors (CSDM†'s codebook, a frozen-embedding ablation's table)
+            # rounded to bf16, with no fp32 master copy: rounded once here, the fp32 EMAs start from the values
+            # the model uses, instead of drifting from the fp32 ones toward them (3.8e-3 on CSDM†'s rows)
+            with torch.no_grad():
+                for p in net.parameters():
+                    if not p.requires_grad:
+                        p.copy_(p.to(torch.bfloat16))
         self.teacher = EMA(net, cfg.ema.teacher)
         self.sampling_ema = EMA(net, cfg.ema.sampling)
         self.schedule = ShiftedCosineSchedule(cfg.schedule.shift, cfg.schedule.t_min)
@@ -571,7 +585,9 @@ class Trainer:
             raise ConfigError(f"{folder} was trained with train.seed {seed} but this run has {self.cfg.train.seed}; the "
                               "data order and the loss's random draws resume from the saved seed's streams, so "
                               "resume with the same seed, or train in another train.output_dir")
-        for key in ("method", "model", "embedding", "schedule"):  # (another schedule: another method mid-run)
+        # (another schedule: another method mid-run; CSDM†'s csdm section decides its frozen table, as embedding does)
+        keys = ("method", "model", "embedding", "schedule") + (("csdm",) if now["method"] == "csdm_fixed" else ())
+        for key in keys:
             if key in then and _setup(key, then[key]) != _setup(key, now[key]):
                 raise ConfigError(f"{folder} was trained with vqlcmd.{key} = {json.dumps(then[key])} but this run has "
                                   f"{json.dumps(now[key])}; resume with the same, or train in another "
