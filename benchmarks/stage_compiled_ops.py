@@ -254,13 +254,11 @@ def run(ctx: Context) -> list[Record]:
     return results
 
 
-if __name__ == "__main__":  # python -m benchmarks.stage_compiled_ops [--quick] [--device cuda]
-    import argparse
+if __name__ == "__main__":  # python -m benchmarks.stage_compiled_ops [run.py's options]
+    # through run.py, so the malloc settings, profiler quieting and table are the suite's: alone, the
+    # reference ops ran without the malloc settings and their speed-ups read several times too high
+    import sys
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
-    for r in run(Context(torch.device(args.device), quick=args.quick)):
-        print(f"{r.case:36s} {r.backend:9s} {r.timing.median_ms:9.2f} ms  peak {r.timing.peak_mem_bytes / 2**20:8.1f} MiB"
-              f"  {r.extra}")
+    from benchmarks.run import main
+
+    sys.exit(main(["--stage", "compiled_ops", *sys.argv[1:]]))
