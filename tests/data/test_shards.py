@@ -230,3 +230,29 @@ def test_an_unfinished_flipped_set_is_refused(tmp_path):
     write_shard(tmp_path / "flip-0.vqtok", *_data(10), dict(HEADER, flipped=True))
     with pytest.raises(ShardError, match="10 flipped samples for 20 unflipped; an interrupted --flip run"):
         TokenShardDataset(tmp_path)
+
+
+def test_a_rerun_with_another_shard_size_redoes_every_shard(tmp_path):
+    """A shard records no range: after 4,4,2 a rerun at 2 kept the old last shard (samples 8, 9, two of
+    them) as its shard 2 (samples 4, 5), losing two samples and duplicating two, every check passing."""
+    from vqlcmd.data import TokenShardDataset
+    from vqlcmd.data.writer import write_token_shards
+
+    class IndexTokenizer:  # token = the sample's index: the shards say which samples they hold
+        identifier, codebook_size, grid = "index-tokenizer", 100, (1, 1)
+
+        def encode(self, images):
+            return images.reshape(len(images), -1)[:, :1].long()
+
+    def batches(start, stop):
+        yield torch.arange(start, stop, dtype=torch.float32)[:, None, None, None], torch.zeros(stop - start,
+                                                                                                dtype=torch.long)
+
+    header = {"num_classes": 1, "class_names": ["x"]}
+    logs = []
+    for size in (4, 2):
+        write_token_shards(tmp_path, IndexTokenizer(), 10, batches, header, shard_size=size, progress=False,
+                           log=logs.append)
+    tokens, _ = TokenShardDataset(tmp_path).gather(np.arange(10))
+    assert tokens.reshape(-1).tolist() == list(range(10))
+    assert "keeping 0 finished shard shard(s), making 5" in logs[-1] and "another shard size" in logs[-1]

@@ -35,6 +35,20 @@ def test_encode_decode_contract(folder):
     torch.testing.assert_close(tok.decode(ids.reshape(3, 64).int()), y)  # flat and int32 ids accepted
 
 
+def test_a_vqmodel_that_looks_codes_up_itself_decodes(tmp_path):
+    """diffusers' lookup_from_codebook models (aMUSEd's VQ) take ids, not vectors, in decode: it crashed with
+    torch's 'Expected tensor for argument #1 indices'. Same images as the plain model with the same weights."""
+    from diffusers import VQModel
+
+    plain = _tiny()
+    lookup = VQModel.from_config({**plain.config, "lookup_from_codebook": True})
+    lookup.load_state_dict(plain.state_dict())
+    plain.save_pretrained(str(tmp_path / "plain"))
+    lookup.save_pretrained(str(tmp_path / "lookup"))
+    ids = torch.randint(0, 16, (2, 8, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(load_tokenizer(tmp_path / "lookup").decode(ids), load_tokenizer(tmp_path / "plain").decode(ids))
+
+
 def test_identifier_is_stable_and_tracks_weights(folder, tmp_path):
     a, b = load_tokenizer(folder), load_tokenizer(folder)
     assert a.identifier == b.identifier and a.identifier.startswith("vqmodel-")

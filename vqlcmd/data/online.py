@@ -2,7 +2,9 @@
 
 For users who want a fresh random flip every epoch, or have no disk for shards. Same contract as
 ``ShardLoader`` (``(tokens (B, M) int64, labels (B,) int64)``, rank sharding, a deterministic order
-per (seed, epoch), ``state_dict`` / ``load_state_dict``, ``epoch``), so the engine takes either.
+per (seed, epoch), ``state_dict`` / ``load_state_dict``, ``epoch``), so a training loop of one's own
+can take either. ``scripts/train.py``'s engine reads token shards only: its config has no key for an
+image tree.
 """
 from __future__ import annotations
 

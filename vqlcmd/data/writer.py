@@ -49,6 +49,15 @@ def _redo_reason(path: Path, header: dict, count: int):
     return None
 
 
+def _other_shard_size(out_dir: Path, prefix: str, first_count: int) -> bool:
+    """Whether the folder's first shard was written with another shard size than this run's: its count is
+    every shard's but the last's, so it differs from this run's first unless both runs have one shard."""
+    try:
+        return len(open_shard(shard_path(out_dir, 0, prefix), verify=False)) != first_count
+    except (OSError, ShardError):  # missing or unreadable: redone anyway
+        return False
+
+
 def _index(path: Path, prefix: str) -> int:
     """The shard index in ``<prefix>-<index>.vqtok``, or -1 for another name."""
     stem = path.name[len(prefix) + 1:-len(SUFFIX)]
@@ -112,6 +121,10 @@ def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, hea
         log(f"{out_dir}: deleted {len(foreign)} shard(s) of another data set (overwrite)")
     _refuse_stale(out_dir, prefix, len(ranges))
     reasons = {r: _redo_reason(shard_path(out_dir, r[0], prefix), header, r[2] - r[1]) for r in ranges}
+    if _other_shard_size(out_dir, prefix, min(shard_size, count)):
+        # a shard records no range: after a run of other shard sizes, one whose count happens to equal this
+        # run's (an old last shard) was kept for another range, losing and duplicating that many samples
+        reasons = {r: "another shard size" if why is None else why for r, why in reasons.items()}
     todo = [r for r in ranges if reasons[r] is not None]
     redo = {why for why in reasons.values() if why not in (None, "missing")}
     if len(todo) < len(ranges) or redo:  # say why existing shards are not kept: a redo can take hours

@@ -62,8 +62,14 @@ class VQModelTokenizer(Tokenizer):
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = self.check_tokens(tokens).to(self.device)
         b, h, w = tokens.shape
-        quant = self.model.quantize.embedding(tokens).permute(0, 3, 1, 2)  # (B, D, h, w)
-        images = self.model.decode(quant, force_not_quantize=True).sample
+        if self.model.config.lookup_from_codebook:
+            # such a VQModel (aMUSEd's) looks the ids up itself: given code vectors, its decode crashed on the
+            # first sample grid, after a whole data set had been tokenized and trained on
+            d = self.model.quantize.embedding.weight.shape[1]
+            images = self.model.decode(tokens.reshape(-1), force_not_quantize=True, shape=(b, h, w, d)).sample
+        else:
+            quant = self.model.quantize.embedding(tokens).permute(0, 3, 1, 2)  # (B, D, h, w)
+            images = self.model.decode(quant, force_not_quantize=True).sample
         return images.clamp(-1, 1)
 
 
