@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from typing import NamedTuple, Optional
 
@@ -93,11 +94,14 @@ def on_tensor_device(fn):
     cuda:0 current stopped with "Pointer argument cannot be accessed from Triton", or, with peer access
     on, ran on cuda:0's stream unordered against cuda:1's work. The compiled kernels' CUDAGuard does the
     same for them."""
+    first = next(iter(inspect.signature(fn).parameters))
+
     @functools.wraps(fn)
-    def wrapped(x: torch.Tensor, *args, **kwargs):
+    def wrapped(*args, **kwargs):
+        x = args[0] if args else kwargs[first]  # (by keyword too: logits=..., grad_out=...)
         guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
         with guard:
-            return fn(x, *args, **kwargs)
+            return fn(*args, **kwargs)
     return wrapped
 
 

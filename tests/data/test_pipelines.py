@@ -212,6 +212,14 @@ def test_float_and_32_bit_integer_images_are_skipped_naming_the_mode(tmp_path):
                                          r".*i\.tif \(32-bit integer pixels \(mode I\)"):
         il = list_images(tmp_path)
     assert [f.split("/")[-1] for f in il.files] == ["ok.png"]
+    # Pillow up to 10.x opened 16-bit PNGs as mode "I": its tile's raw mode tells them from 32-bit ones
+    from vqlcmd.data.images import _sixteen_bit
+
+    class OldPillowPng:
+        mode, tile = "I", [("zip", (0, 0, 4, 4), 0, "I;16B")]
+
+    with Image.open(tmp_path / "i.tif") as im:
+        assert _sixteen_bit(OldPillowPng()) and not _sixteen_bit(im)
 
 
 def test_linked_folders_inside_a_class_are_followed(tmp_path):

@@ -60,6 +60,9 @@ def test_zero3_refused_with_reason(tmp_path):
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      r"zero_optimization\.offload_optimizer is not supported"),
     ({"zero_optimization": {"stage": "2"}}, r"zero_optimization\.stage must be the integer 0, 1 or 2, got '2'"),
+    # what --set bf16=true or --set zero_optimization=null gives: an AttributeError traceback before
+    ({"bf16": True}, r"bf16 must be a JSON object .* got True"),
+    ({"zero_optimization": None}, r"zero_optimization must be a JSON object .* got None"),
 ])
 def test_deepspeed_keys_that_would_be_ignored_or_fail_late_are_refused(tmp_path, ds, match):
     """Each ran before: a typo or an optimizer section without effect, a string clip failing at step 1, offload

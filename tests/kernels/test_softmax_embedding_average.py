@@ -716,6 +716,8 @@ def test_kernels_run_with_the_tensors_gpu_as_the_current_device(sea, monkeypatch
 
     wrapped = sea.on_tensor_device(lambda x, *a, **k: "ran")
     assert wrapped(OnSecondGpu()) == "ran" and entered == [torch.device("cuda", 1)]
+    assert wrapped(x=OnSecondGpu()) == "ran" and len(entered) == 2  # by keyword too
+    entered.pop()
     assert wrapped(torch.zeros(1)) == "ran" and len(entered) == 1  # CPU tensors: no guard
     assert all(hasattr(f, "__wrapped__") for f in (sea.forward, sea.backward))  # both entry points guarded
 

@@ -118,7 +118,8 @@ def unreadable_reason(path, decode: bool = False) -> str | None:
         with Image.open(path) as im:
             if im.width < 1 or im.height < 1:
                 return "zero-sized image"
-            if im.mode in ("F", "I"):  # PIL made them all black (F in [0, 1]) or all white; DALI fails on I
+            if im.mode == "F" or (im.mode == "I" and not _sixteen_bit(im)):  # PIL: all black (F in [0, 1]) or
+                # all white; DALI fails on 32-bit integers
                 return (f"{'32-bit float' if im.mode == 'F' else '32-bit integer'} pixels (mode {im.mode}), whose "
                         "range is unknown: convert to 8 or 16 bits")
             if decode:
@@ -130,6 +131,14 @@ def unreadable_reason(path, decode: bool = False) -> str | None:
     except OSError as e:
         return f"cannot read: {e}"
     return None
+
+
+def _sixteen_bit(im) -> bool:
+    """Whether a mode-"I" image holds 16-bit samples: Pillow up to 10.x opens 16-bit PNGs as "I" (later ones
+    as "I;16"); its tile's raw mode says what the file stores."""
+    args = im.tile[0][3] if im.tile else ""
+    raw = args if isinstance(args, str) else (args[0] if args and isinstance(args[0], str) else "")
+    return raw.startswith("I;16")
 
 
 def resized_shape(h: int, w: int, size: int) -> tuple[int, int]:

@@ -341,6 +341,10 @@ def check_deepspeed_section(ds: dict, path, *, warn: bool = True) -> None:
     clip = ds.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
         raise ConfigError(f"{path}: gradient_clipping must be a number >= 0 (0: off), got {clip!r}")
+    for section in ("zero_optimization", "bf16", "fp16"):  # (--set bf16=true reached .get on a bool)
+        if section in ds and not isinstance(ds[section], dict):
+            raise ConfigError(f"{path}: {section} must be a JSON object (e.g. {{\"enabled\": true}} or "
+                              f"{{\"stage\": 2}}), got {ds[section]!r}")
     zero = ds.get("zero_optimization", {})
     offload = [k for k in ("offload_optimizer", "offload_param")
                if isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"]

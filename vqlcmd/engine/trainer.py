@@ -192,7 +192,11 @@ class Trainer:
         # DeepSpeed takes a bool: "auto" becomes one here, and the run's config records which
         self.bf16, bf16_why = resolve_bf16(ds.get("bf16", {}).get("enabled", False), self.device)
         ds["bf16"] = {**ds.get("bf16", {}), "enabled": self.bf16}
-        if self.bf16 and ds.get("zero_optimization", {}).get("stage", 0) == 0:
+        if self.bf16 and ds.get("zero_optimization", {}).get("stage", 0) == 0 and self._resumes_zero0_bf16():
+            self.log("warning: resuming a ZeRO 0 bf16 run, which is no longer accepted for new runs: DeepSpeed's "
+                     "FP16_UnfusedOptimizer took one AdamW step on zero gradients as that run started (its "
+                     "later steps are sound); train new runs at stage 1 or 2")
+        elif self.bf16 and ds.get("zero_optimization", {}).get("stage", 0) == 0:
             raise ConfigError(
                 f"zero_optimization.stage 0 with bf16 ({bf16_why}) is not supported: DeepSpeed then wraps the "
                 "optimizer in its FP16_UnfusedOptimizer, which takes one AdamW step on zero gradients as it starts "
@@ -558,6 +562,20 @@ class Trainer:
                               f"{tag}); choose another train.output_dir, or move that folder away")
         self._check_resumable(self.ckpt_dir / tag, ds)
 
+    def _resumes_zero0_bf16(self) -> bool:
+        """Whether this run resumes a checkpoint trained at ZeRO 0 in bf16 (refused for new runs since; its
+        stage and precision cannot change on resume, so it may go on as it was)."""
+        tag = ckpt.latest_tag(self.ckpt_dir) if self.cfg.train.resume else None
+        saved = self.ckpt_dir / tag / "config.json" if tag else None
+        if saved is None or not saved.is_file():
+            return False
+        try:
+            was = json.loads(saved.read_text())
+        except (OSError, ValueError):
+            return False  # the resume check names the damage
+        return ((was.get("zero_optimization") or {}).get("stage", 0) == 0
+                and bool((was.get("bf16") or {}).get("enabled", False)))
+
     def _check_resumable(self, folder: Path, ds: dict) -> None:
         """What a resume would otherwise fail on deep inside DeepSpeed or the loader, named up front.
 
@@ -577,8 +595,8 @@ class Trainer:
         stage = lambda cfg: (cfg.get("zero_optimization") or {}).get("stage", 0)  # noqa: E731
         if (stage(saved) == 0) != (stage(ds) == 0):  # 1 <-> 2 resume fine; 0 keeps no ZeRO partition files
             raise ConfigError(f"{folder} was trained at zero_optimization.stage {stage(saved)} but this run has "
-                              f"stage {stage(ds)}; DeepSpeed cannot load one's optimizer state as the other's, so "
-                              f"resume with stage {stage(saved)}" + (" (or 1 or 2)" if stage(saved) else ""))
+                              f"stage {stage(ds)}; DeepSpeed cannot load one's optimizer state as the other's: "
+                              + ("resume with stage 1 or 2" if stage(saved) else "resume with stage 0"))
         then, now = saved.get("vqlcmd", {}), self.cfg.to_dict()
         seed = then.get("train", {}).get("seed")
         if seed is not None and seed != self.cfg.train.seed:  # the loader's order and the loss's draws follow it
