@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without install
 
-from vqlcmd.engine.config import ConfigError, is_deepspeed_key, load_config  # noqa: E402
+from vqlcmd.engine.config import ConfigError, is_deepspeed_key, load_config, near_deepspeed_key  # noqa: E402
 
 
 def _set(section: dict, dotted: str, value: str) -> None:
@@ -56,8 +56,11 @@ def main(argv=None) -> int:
                 key, eq, value = item.partition("=")
                 if not eq or not key:
                     raise ConfigError(f"--set takes KEY=VALUE (a JSON value), got {item!r}")
-                if is_deepspeed_key(key) == deepspeed:
-                    _set(section, key, value)
+                if is_deepspeed_key(key) != deepspeed:
+                    continue
+                if not deepspeed:
+                    near_deepspeed_key(key)  # a misspelt DeepSpeed key: said so, not "unknown key vqlcmd..."
+                _set(section, key, value)
         return apply
 
     try:
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
     from vqlcmd.data.shards import ShardError
     from vqlcmd.engine.checkpoint import CheckpointError
     from vqlcmd.engine.distributed import LaunchError, RankSetupError
-    from vqlcmd.engine.trainer import Trainer, TrainingInterrupted
+    from vqlcmd.engine.trainer import NonFiniteLossError, Trainer, TrainingInterrupted
 
     try:
         trainer = Trainer(ds_config, cfg, progress=not args.no_progress)
@@ -95,6 +98,9 @@ def main(argv=None) -> int:
     except FileNotFoundError as exc:  # an empty shard folder, a tokenizer folder without its files
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as exc:  # named by step and term: the traceback adds nothing
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except TrainingInterrupted as exc:  # Ctrl-C or a preemption, after a checkpoint: the shell's code for it
         print(str(exc), file=sys.stderr)
         return 128 + (exc.signum or signal.SIGTERM)

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -104,7 +105,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ada_layer_norm_cpu(const at::Tens
   at::Tensor y = at::empty_like(hc, at::MemoryFormat::Contiguous);
   at::Tensor mean = at::empty({B, M}, h.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({B, M}, h.options().dtype(at::kFloat));
-  if (rows == 0 || W == 0) return {y, mean, rstd};
+  if (rows == 0 || W == 0) {
+    // rows of no elements: PyTorch's native_layer_norm gives mean 0, rstd NaN (these were never written)
+    mean.zero_();
+    rstd.fill_(std::numeric_limits<float>::quiet_NaN());
+    return {y, mean, rstd};
+  }
   const float* ap = a.data_ptr<float>();
   const float* bp = b.data_ptr<float>();
   float* mp = mean.data_ptr<float>();

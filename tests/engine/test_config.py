@@ -310,3 +310,11 @@ def test_a_run_too_short_for_its_warm_up_or_ema_is_warned_about():
     assert "optimizer.warmup_steps 5000 >= train.steps 20" in found[0]
     assert "ema.sampling 0.9999 keeps 100% of the initial weights after train.steps 20" in found[1]
     assert run_length_warnings(load_config("ds_digits.json")[1]) == []  # the quick start's own: nothing to say
+
+
+def test_set_names_a_misspelt_deepspeed_key_and_a_bad_optimizer_impl(tmp_path, tiny_shards, make_config):
+    typo = _run_train(make_config(tmp_path, tiny_shards), "--set", "gradient_clippin=1")
+    assert typo.returncode == 2 and "did you mean the DeepSpeed key 'gradient_clipping'" in typo.stderr
+    # optimizer.impl was checked only when the optimizer was built (after the digits tokenizer's minutes)
+    with pytest.raises(ConfigError, match=r"impl must be 'torch' or 'apex', got 'foo'"):
+        parse_vqlcmd_section({"optimizer": {"impl": "foo"}})

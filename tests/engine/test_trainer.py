@@ -85,6 +85,33 @@ def test_exported_pipeline_loads_and_samples(tmp_path, tiny_shards, trainer):
     assert tokens.shape == (3, 4, 4)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_non_finite_gradients_with_a_finite_loss_never_reach_the_weights(tmp_path, tiny_shards, make_config, stage):
+    """ZeRO 0's plain AdamW stepped on them (clipped inf: NaN), and the NaN weights reached the EMAs, the
+    checkpoint and, at the last step, the exported pipeline with exit 0; ZeRO 1/2 skip such a step, now
+    with a warning."""
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=3, checkpoint_every=1)))
+    logs = []
+    tr = Trainer({**ds, "zero_optimization": {"stage": stage}}, cfg, log=logs.append)
+    weight = tr.net.denoiser.head.weight
+    calls = []
+
+    def poison(grad):  # the second step's gradient only
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 2 else grad
+
+    weight.register_hook(poison)
+    if stage == 0:
+        with pytest.raises(NonFiniteLossError, match=r"non-finite gradients at step 2 .*the last checkpoint, "
+                                                     r".*step_0000001, is intact"):
+            tr.train(progress=False)
+    else:
+        tr.train(progress=False)
+        assert any("warning: step 2: DeepSpeed skipped the optimizer step" in line for line in logs)
+    for module in (tr.net, tr.teacher.module, tr.sampling_ema.module):
+        assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 def test_non_finite_loss_stops_with_step_and_term(tmp_path, tiny_shards, trainer):
     tr = trainer(tmp_path, tiny_shards, steps=4)
     with torch.no_grad():

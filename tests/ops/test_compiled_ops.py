@@ -589,6 +589,15 @@ def test_ada_layer_norm_matches_float64(shape, dtype, gen):
                                   grad_scales=(8.0, 8.0 * M, 8.0 * M))
 
 
+def test_ada_layer_norm_statistics_of_zero_width_rows_are_pytorchs():
+    # they were returned unwritten (heap garbage); PyTorch's native_layer_norm gives mean 0, rstd NaN
+    h = torch.randn(2, 3, 0)
+    _, mean, rstd = torch.ops.vqlcmd.ada_layer_norm(h, torch.randn(2, 0), torch.randn(2, 0), 1e-5)
+    _, ref_mean, ref_rstd = torch.native_layer_norm(h, (0,), None, None, 1e-5)
+    torch.testing.assert_close(mean, ref_mean.reshape(2, 3), equal_nan=True)
+    torch.testing.assert_close(rstd, ref_rstd.reshape(2, 3), equal_nan=True)
+
+
 def test_ada_layer_norm_rows_far_from_zero(gen):
     """Two-pass moments: rows with a mean of 1000 and unit spread normalise as accurately as
     PyTorch's LayerNorm does (a one-pass E[x^2] - E[x]^2 would lose every digit of the variance)."""

@@ -128,7 +128,9 @@ class OptimizerSection:
                         ("weight_decay", lambda v: v >= 0, "non-negative"),
                         ("eps", lambda v: v > 0, "positive"),
                         ("warmup_steps", lambda v: v >= 0, "a non-negative integer"),
-                        ("min_lr_ratio", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")))
+                        ("min_lr_ratio", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+                        # here, not when the optimizer is built: after the digits tokenizer's minutes
+                        ("impl", lambda v: v in ("torch", "apex"), "'torch' or 'apex'")))
 
 
 @dataclass
@@ -294,6 +296,19 @@ def load_config(name: str, edit: Optional[Callable[[dict], None]] = None,
         edit_deepspeed(raw)
     check_deepspeed_section(raw, path)
     return raw, cfg
+
+
+def near_deepspeed_key(dotted: str) -> None:
+    """A ``--set`` key that is no vqlcmd section's but close to a DeepSpeed key (``gradient_clippin``): a
+    ConfigError saying which, as the config file's own check does (not 'unknown key vqlcmd....')."""
+    import difflib
+
+    first = dotted.split(".", 1)[0]
+    if first in {f.name for f in fields(VQLCMDConfig)}:
+        return
+    near = difflib.get_close_matches(first, _DEEPSPEED_KEYS, n=1, cutoff=0.8)
+    if near:
+        raise ConfigError(f"--set {dotted}: {first!r} is not a key; did you mean the DeepSpeed key {near[0]!r}?")
 
 
 def is_deepspeed_key(dotted: str) -> bool:

@@ -311,11 +311,22 @@ class Trainer:
             out = self.engine(tokens, labels, self.generator)
             values = self._read_terms(out)
             self.engine.backward(out["loss"])
-            if micro == self.gas - 1 and self._logs_own_grad_norm():
-                # the reduced gradients' norm before clipping, as DeepSpeed's; no read-back until it is logged
+            if micro == self.gas - 1 and self._plain_optimizer():
+                # the reduced gradients' norm before clipping, as DeepSpeed's, checked at every step: a plain
+                # client optimizer (ZeRO 0) steps on non-finite gradients (clipped inf: NaN) where ZeRO 1/2 skip
+                # them, and the NaN weights reached the EMAs, the checkpoint and the pipeline with a finite loss
                 grads = [q.grad for q in self.engine.module.parameters() if q.grad is not None]
-                self.own_grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+                norm = torch.nn.utils.get_total_norm(grads) if grads else None
+                if norm is not None and not torch.isfinite(norm):
+                    raise NonFiniteLossError(f"non-finite gradients at step {self.step + 1} (norm {norm.item()}, the "
+                                             f"loss finite); stopping without stepping or saving "
+                                             f"({self._last_checkpoint_words()})")
+                self.own_grad_norm = norm
+            skipped = getattr(self.engine, "skipped_steps", 0)
             self.engine.step()
+            if getattr(self.engine, "skipped_steps", 0) > skipped:  # ZeRO 1/2's overflow check
+                self.log(f"warning: step {self.step + 1}: DeepSpeed skipped the optimizer step (non-finite "
+                         "gradients); the step still counts, and the rate schedule falls a step behind")
             for k, v in values.items():
                 terms[k] = terms.get(k, 0.0) + v / self.gas
         self.teacher.update(self.net)
@@ -323,11 +334,14 @@ class Trainer:
         self.step += 1
         return terms
 
-    def _logs_own_grad_norm(self) -> bool:
-        """Whether this step's grad norm is logged here and DeepSpeed keeps none (a plain client optimizer: ZeRO 0
-        in fp32)."""
-        return (self.tb is not None and self._logs_at(self.step + 1)
-                and not hasattr(self.engine.optimizer, "_global_grad_norm"))
+    def _plain_optimizer(self) -> bool:
+        """Whether DeepSpeed steps a plain client optimizer (ZeRO 0 in fp32): it keeps no grad norm and checks
+        no overflow, so the step computes and checks the norm itself."""
+        return not hasattr(self.engine.optimizer, "_global_grad_norm")
+
+    def _last_checkpoint_words(self) -> str:
+        tag = ckpt.latest_tag(self.ckpt_dir)
+        return f"the last checkpoint, {self.ckpt_dir / tag}, is intact" if tag else "no checkpoint was written yet"
 
     def _logs_at(self, step: int) -> bool:
         return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
@@ -350,7 +364,7 @@ class Trainer:
             bad = {k: v for k, v in read.items() if not math.isfinite(v)}
             raise NonFiniteLossError(
                 f"non-finite loss at step {self.step + 1}: term(s) {', '.join(bad) or '(on another rank)'} = "
-                f"{bad}; stopping without saving (the last checkpoint in {self.ckpt_dir} is intact)")
+                f"{bad}; stopping without saving ({self._last_checkpoint_words()})")
         return read
 
     def train(self, progress: bool = True, until: Optional[int] = None) -> list[dict]:
