@@ -39,8 +39,15 @@ from vqlcmd.cli import choices_list, positive_int  # noqa: E402
 IMAGE_EXTS = (".png", ".jpg", ".jpeg")
 
 
+def _file_order(p: Path):
+    # numbered names by number: sample.py's names grow to 7 digits at 10^6, and 1000000.png sorted between
+    # 100000.png and 100001.png, pairing images with other images' manifest labels
+    return (0, int(p.stem), "") if p.stem.isdigit() else (1, 0, p.name)
+
+
 def image_files(folder: Path) -> list:
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
+    files = sorted((p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith(".")),
+                   key=_file_order)
     if not files:
         raise SystemExit(f"{folder}: no {'/'.join(IMAGE_EXTS)} files")
     return files

@@ -52,6 +52,42 @@ def weights_digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def load_pipeline(args, device, attempts: int = 3):
+    """The pipeline and the digest of the weights it holds. The trainer re-exports its pipeline with every
+    checkpoint, so the folder may change while it is read: the digest taken before and after the load must
+    agree, or the manifest named weights that were never sampled."""
+    from vqlcmd.pipeline import VQLCMDPipeline
+
+    folder = Path(args.pipeline)
+    for _ in range(attempts):
+        try:
+            try:
+                before = weights_digest(folder)
+            except OSError:
+                before = None  # from_pretrained names what is missing, and how to make it
+            pipe = VQLCMDPipeline.from_pretrained(folder, device=device, dtype=getattr(torch, args.dtype))
+            after = weights_digest(folder)
+        except (FileNotFoundError, ValueError) as exc:  # a missing folder or file, a config or weights that do not fit
+            raise SystemExit(f"--pipeline: {exc}") from None
+        if before == after:
+            return pipe, after
+    raise SystemExit(f"--pipeline: {folder} changed while it was loaded, {attempts} times (a training run "
+                     "re-exporting it?); sample a copy of the folder")
+
+
+def same_on_every_rank(digest: str, folder) -> None:
+    """Each rank loads the folder itself: a re-export between two ranks' loads gave a mix of two models."""
+    if not _dist_active():
+        return
+    import torch.distributed as dist
+
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        raise SystemExit(f"--pipeline: the ranks loaded different weights from {folder} ({sorted(set(digests))}): it "
+                         "changed while they read it; sample a copy of the folder")
+
+
 def image_seed(seed: int, index: int) -> int:
     """Per-image seed: the run seed in the high bits, the image index in the low 32."""
     return (int(seed) << 32) | int(index)
@@ -94,11 +130,14 @@ def save_png(image_chw: torch.Tensor, path: Path) -> None:
 def write_npz(out: Path, n: int, labels: list, npz: Path) -> None:
     from PIL import Image
 
-    arrs = []
+    batch = None  # one (N, H, W, 3) array filled in place: a list, np.stack and a cast held three copies
     for i in range(n):
-        a = np.asarray(Image.open(out / png_name(i)))
-        arrs.append(np.repeat(a[..., None], 3, axis=-1) if a.ndim == 2 else a[..., :3])
-    data = {"arr_0": np.stack(arrs).astype(np.uint8)}
+        with Image.open(out / png_name(i)) as im:
+            a = np.asarray(im)
+        if batch is None:
+            batch = np.empty((n, a.shape[0], a.shape[1], 3), dtype=np.uint8)
+        batch[i] = a[..., None] if a.ndim == 2 else a[..., :3]  # grey broadcasts to the three channels
+    data = {"arr_0": batch}
     if labels and labels[0] is not None:
         data["arr_1"] = np.asarray(labels, dtype=np.int64)
     npz.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +222,7 @@ def _manifest_error(out: Path, settings: dict) -> Optional[str]:
                     "use another --out or delete the folder")
         return None
     # no manifest: images there were not made by this script, and would have been kept as samples
-    foreign = sorted(f.name for f in out.glob("[0-9]" * 6 + ".png"))
+    foreign = sorted(f.name for f in out.glob("[0-9]" * 6 + "*.png") if f.stem.isdigit())  # (7 digits from 10^6)
     if foreign:
         return (f"{out} holds {len(foreign)} image(s) named like samples ({foreign[0]}, ...) but no {MANIFEST}: "
                 "not samples of this script; use another --out or empty it")
@@ -217,8 +256,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.npz and Path(args.npz).is_dir():  # found only after sampling, leaving a .tmp.npz behind
         p.error(f"--npz {args.npz} is a folder; give the .npz file's path")
+    parent = next((q for q in Path(args.npz).parents if q.exists()), None) if args.npz else None
+    if parent is not None and not parent.is_dir():  # the same, after every image was sampled
+        p.error(f"--npz {args.npz}: {parent} is a file, not a folder")
 
-    from vqlcmd.pipeline import VQLCMDPipeline, image_generators
+    from vqlcmd.pipeline import image_generators
 
     rank, world, device = dist_setup(args)
     if device.type == "cpu":  # each denoiser batch's activations would page-fault in afresh
@@ -227,10 +269,8 @@ def main(argv=None) -> int:
         msg = keep_freed_memory()
         if rank == 0:
             print(msg, file=sys.stderr)
-    try:
-        pipe = VQLCMDPipeline.from_pretrained(args.pipeline, device=device, dtype=getattr(torch, args.dtype))
-    except (FileNotFoundError, ValueError) as exc:  # a missing folder or file, a config or weights that do not fit
-        raise SystemExit(f"--pipeline: {exc}") from None
+    pipe, digest = load_pipeline(args, device)
+    same_on_every_rank(digest, args.pipeline)
     if pipe.tokenizer is None:  # found by the first batch otherwise, after the manifest was written
         raise SystemExit(f"{args.pipeline} names no tokenizer to decode its tokens into images")
     d = pipe.sample_defaults
@@ -238,7 +278,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.pipeline} holds a MaskGIT model: --sampler and --final do not apply")
     C = pipe.network.config.num_classes
     settings = {
-        "pipeline": str(Path(args.pipeline).resolve()), "weights_sha256": weights_digest(Path(args.pipeline)),
+        "pipeline": str(Path(args.pipeline).resolve()), "weights_sha256": digest,
         "num_samples": args.num_samples, "seed": args.seed, "dtype": args.dtype,
         "labels": args.labels, "num_steps": d.get("num_steps", 50) if args.num_steps is None else args.num_steps,
         "guidance_scale": d.get("guidance_scale", 0.0) if args.guidance_scale is None else args.guidance_scale,
@@ -250,14 +290,17 @@ def main(argv=None) -> int:
                              "which has nothing to guide toward")
         settings["guidance_scale"] = 0.0
     labels = class_labels(args.labels, args.num_samples, C, args.seed)
+    if args.fast:  # before anything is written: cudagraphs on a CPU raised after the manifest was
+        try:
+            pipe.enable_fast_sampling(args.fast)
+        except ValueError as exc:
+            raise SystemExit(f"--fast {args.fast}: {exc}") from None
     out = Path(args.out)
     check_manifest(out, {**settings, "class_labels": labels if C else None}, rank, world)
     out.mkdir(parents=True, exist_ok=True)  # ranks may not share rank 0's file system view of a fresh folder
 
     mine = [i for i in range(rank, args.num_samples, world) if not (out / png_name(i)).is_file()]
     kept = len(range(rank, args.num_samples, world)) - len(mine)
-    if args.fast:
-        pipe.enable_fast_sampling(args.fast)
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm.auto import tqdm
@@ -282,28 +325,27 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    made = torch.tensor([len(mine), seconds], dtype=torch.float64)
+    n_made, wall = len(mine), seconds
     if _dist_active():
         import torch.distributed as dist
 
-        gathered = made.to(device) if device.type == "cuda" else made
-        dist.all_reduce(gathered, op=dist.ReduceOp.SUM)  # images summed; seconds summed, divided below
-        made = gathered.cpu() / torch.tensor([1.0, world], dtype=torch.float64)
-    barrier(world)
+        on = device if device.type == "cuda" else "cpu"
+        count, slowest = torch.tensor([n_made], device=on), torch.tensor([seconds], device=on)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the run took as long as its slowest rank
+        n_made, wall = int(count.item()), float(slowest.item())
+        # every image is written once all have passed; then no rank waits on rank 0's .npz, which can take
+        # longer than NCCL's timeout for large sets (and the run then ended without it, again at every rerun)
+        dist.barrier()
+        dist.destroy_process_group()
     if rank == 0:
-        n_made, mean_seconds = int(made[0]), float(made[1])
-        rate = n_made / mean_seconds if mean_seconds > 0 else float("nan")
+        rate = n_made / wall if wall > 0 else float("nan")
         print(f"sampled {n_made} new images ({args.num_samples - n_made} kept) on {world} rank(s) in "
-              f"{mean_seconds:.1f} s: {rate:.2f} images/s ({settings['sampler']}, {settings['num_steps']} steps, "
+              f"{wall:.1f} s: {rate:.2f} images/s ({settings['sampler']}, {settings['num_steps']} steps, "
               f"guidance {settings['guidance_scale']}) -> {out}")
         if args.npz:
             write_npz(out, args.num_samples, labels, Path(args.npz))
             print(f"npz -> {args.npz}")
-    barrier(world)
-    if _dist_active():
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
     return 0
 
 

@@ -1,5 +1,6 @@
 """scripts/sample.py: per-image seeds (rank-count independence), restarts, the ADM .npz layout."""
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -199,3 +200,34 @@ def test_an_explicit_guidance_scale_on_an_unconditional_model_is_refused(sample_
     assert not out.exists()
     sample_script.main(_args(folder, out))  # the exported default (1.0) is dropped, as the API drops it
     assert len(_read(out)) == 7
+
+
+def test_a_pipeline_rewritten_while_it_loads_is_loaded_again(sample_script, tiny_pipeline, tmp_path, monkeypatch):
+    """The trainer re-exports its pipeline with every checkpoint: the manifest named the weights read after
+    the load, which need not be the ones sampled. The load is bracketed by two digests and retried."""
+    from vqlcmd.pipeline import VQLCMDPipeline
+
+    folder = tiny_pipeline.save_pretrained(tmp_path / "p")
+    real = VQLCMDPipeline.from_pretrained.__func__
+    loads = []
+    bias = tiny_pipeline.network.denoiser.head.bias
+    saved = bias.detach().clone()  # (a session fixture: put back exactly)
+
+    def rewritten_during_the_first_load(cls, *a, **k):
+        pipe = real(cls, *a, **k)
+        loads.append(1)
+        if len(loads) == 1:  # another save lands just after this load read the weights
+            with torch.no_grad():
+                tiny_pipeline.network.denoiser.head.bias.add_(1.0)
+            tiny_pipeline.save_pretrained(folder)
+        return pipe
+
+    monkeypatch.setattr(VQLCMDPipeline, "from_pretrained", classmethod(rewritten_during_the_first_load))
+    try:
+        sample_script.main(_args(folder, tmp_path / "s", "-n", "2"))
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
+    assert len(loads) == 2  # the first load was not trusted
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["weights_sha256"] == sample_script.weights_digest(folder)
