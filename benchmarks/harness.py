@@ -47,6 +47,9 @@ class Context:
     quick: bool = False  # tiny shapes and few repetitions: proves the harness works (CI)
     backends: Optional[list[str]] = None  # restrict to these backends (None = all available)
     asked: set = field(default_factory=set)  # every backend a stage asked about: run.py names --backend typos
+    # every row run_case made in the current stage, as it was made: what run.py keeps of a stage cut short
+    # (a stage returns its rows only when it ends, and a timed-out step on a lent GPU lost them all)
+    made: list = field(default_factory=list)
 
     def wants(self, backend: str, *, baseline: bool = False) -> bool:
         """Whether to measure ``backend``. A stage passes ``baseline=True`` for its baseline,
@@ -150,8 +153,10 @@ def run_case(ctx: Context, out: list, *, stage: str, case: str, backend: str, sh
         figures = {**(extra(timing) if extra else {}), **how}
     except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
         out.append(failed_case(exc, stage=stage, case=case, backend=backend, shape=shape))
+        ctx.made.append(out[-1])
         return None
     out.append(Result(stage, case, backend, shape, dtype, timing, baseline, figures))
+    ctx.made.append(out[-1])
     # progress for long runs (stderr: the table on stdout stays clean)
     print(f"  {stage} | {case} | {backend} | {shape}: {timing.median_ms:.3g} ms", file=sys.stderr, flush=True)
     return timing

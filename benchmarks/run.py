@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import traceback
@@ -59,6 +60,14 @@ def split_list(values: list[str] | None) -> list[str] | None:
     if not values:
         return None
     return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the stage is: a BaseException, so the stages' per-case handlers let it through."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 def missing_dependency(exc: ImportError) -> bool:
@@ -313,12 +322,28 @@ def main(argv=None) -> int:
     print(f"# {meta['device_name']} | torch {meta['torch']} | {meta['host_threads']} threads | commit {meta['commit']}"
           f" | {meta['timestamp']}{' | quick' if args.quick else ''}{malloc}", flush=True)
 
+    previous = signal.signal(signal.SIGTERM, _terminated)  # timeout(1)'s first signal: keep what was measured
+    try:
+        return _run_stages(args, stages, ctx, meta)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_stages(args, stages: list, ctx: Context, meta: dict) -> int:
     records: list = []
     per_stage: list = []
     for name in stages:
         t0 = time.perf_counter()
         print(f"[{name}] running ...", file=sys.stderr, flush=True)
-        stage_records = run_stage(name, ctx)
+        ctx.made.clear()
+        try:
+            stage_records = run_stage(name, ctx)
+        except Terminated:
+            kept = list(ctx.made)
+            append_rows(args.out, to_rows(kept, speedups(kept), meta))
+            print(f"[{name}] stopped by SIGTERM: appended the {len(kept)} row(s) it had measured to {args.out}",
+                  file=sys.stderr, flush=True)
+            return 128 + signal.SIGTERM
         n_ok = sum(isinstance(r, Result) for r in stage_records)
         n_not = len(stage_records) - n_ok
         print(f"[{name}] {n_ok} measured, {n_not} not measured, {time.perf_counter() - t0:.1f} s",

@@ -19,7 +19,10 @@ cd "$(dirname "$0")/.."
 deadline=$(( $(date +%s) + ${2:-540} ))
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
-  CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")"); export CUDA_HOME
+  # a toolkit's nvcc only: a wrapper script's folder (/usr/local/bin/nvcc gave /usr/local) has no CUDA
+  # headers or libraries, and the build then failed to link; setup.py's default then applies
+  home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  if [ -f "$home/include/cuda_runtime.h" ]; then CUDA_HOME=$home; export CUDA_HOME; fi
 fi
 py=$(command -v python3 || command -v python)
 # Seen on a lent H200 image: CC/CXX named wrappers under /opt/gcc, and an extension built with them
@@ -51,15 +54,18 @@ MAX_JOBS=${MAX_JOBS:-$(nproc)} step build 240 "$py" setup.py build_ext --inplace
 # on a fresh machine the Triton tests compile and autotune every kernel first: on an H100 the
 # compiled-op and Triton tests alone did not finish in 100 s with a cold cache (and the delta and
 # sliced-backward variants add compiles and cases since)
-step gpu-tests 240 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests
-# the two open goals first, in steps of their own so that one cut short keeps the others' rows (a stage's
-# rows are written when it ends): the Triton variants not yet timed against the default and eager
+# the quick CUDA-extension tests first and the Triton ones (cold autotuning) last, each result named as it
+# comes (-v: a step cut off by its limit prints no summary), the slowest listed to size the next lease
+step gpu-tests 240 "$py" -m pytest -v -p no:cacheprovider -m gpu -rs --durations=15 \
+  tests/ops tests/pipeline tests/benchmarks tests/kernels
+# the two open goals first, in steps of their own (a step cut short by its limit keeps the rows it had
+# measured: run.py appends them on timeout's SIGTERM): the Triton variants not yet timed against the default and eager
 # (torch.compile and the variants measured slower are left out), then the compiled ops with the
 # sliced noise backward
 step bench-softmax-bwd 100 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
   --stage softmax_embedding_average --backend triton,triton-delta,triton-rows
 step bench-softmax-fwd 100 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
-  --stage softmax_embedding_average --backend triton-first-tile,triton-two-pass
+  --stage softmax_embedding_average --backend triton,triton-first-tile,triton-two-pass
 step bench-compiled 80 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" --stage compiled_ops
 step bench 120 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
   --stage attention,zero,train_step,sampling,denoiser

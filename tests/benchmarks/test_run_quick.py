@@ -136,6 +136,29 @@ def test_only_a_missing_third_party_package_skips_a_stage(monkeypatch):
     assert row.failed and "vqlcmd.data.renamed" in row.reason
 
 
+def test_a_stage_stopped_by_sigterm_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """A stage returns its rows when it ends: a benchmark step that timeout(1) stopped on a lent GPU wrote
+    none of its minutes of measurements."""
+    import signal
+
+    from benchmarks.harness import run_case
+
+    def run(ctx):
+        out = []
+        run_case(ctx, out, stage="cut", case="fwd", backend="base", shape="N1", dtype="float32", fn=lambda: None)
+        signal.raise_signal(signal.SIGTERM)  # what timeout sends
+        run_case(ctx, out, stage="cut", case="fwd", backend="never", shape="N1", dtype="float32", fn=lambda: None)
+        return out
+
+    monkeypatch.setitem(sys.modules, "benchmarks.stage_cut", types.SimpleNamespace(STAGE="cut", run=run))
+    monkeypatch.setattr(bench, "discover", lambda: ["cut"])
+    before = signal.getsignal(signal.SIGTERM)
+    assert bench.main(["--stage", "cut", "--device", "cpu", "--quick", "--out", str(tmp_path / "r.jsonl")]) == 143
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["backend"], r["status"]) for r in rows] == [("base", "ok")]
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+
+
 def test_a_stage_given_twice_runs_once(tmp_path, monkeypatch):
     runs = []
     monkeypatch.setitem(sys.modules, "benchmarks.stage_once",

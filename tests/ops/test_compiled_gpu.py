@@ -199,7 +199,7 @@ def test_noise_backward_cuda_hot_rows(D, M, misaligned, backward, monkeypatch):
     alpha = torch.rand(B, device=CUDA, generator=g) + 0.5
     ids = torch.where(drop, V - 1, tokens).reshape(-1)
     expected = torch.zeros(V, D, dtype=torch.float64, device=CUDA).index_add_(
-        0, ids, (grad.double() * alpha.double()[:, None, None]).reshape(-1, D))
+        0, ids, (grad.double() * alpha.double()[:, None, None]).reshape(B * M, D))  # (-1, 0) is ambiguous: D = 0
     for deterministic in (False, True):
         out = torch.ops.vqlcmd.noise_embeddings_backward(grad, tokens, drop, V - 1, alpha, V, deterministic)
         torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
@@ -243,7 +243,7 @@ def test_noise_backward_cuda_sliced_matches_float64(N, D, V, splits, monkeypatch
     out = torch.ops.vqlcmd.noise_embeddings_backward(grad, tokens, drop, V - 1, alpha, V, False)
     ids = torch.where(drop, V - 1, tokens).reshape(-1)
     expected = torch.zeros(V, D, dtype=torch.float64, device=CUDA).index_add_(
-        0, ids, (grad.double() * alpha.double()[:, None, None]).reshape(-1, D))
+        0, ids, (grad.double() * alpha.double()[:, None, None]).reshape(B * M, D))  # (-1, 0) is ambiguous: D = 0
     torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-5)
 
 
