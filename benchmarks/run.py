@@ -325,6 +325,9 @@ def main(argv=None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)  # timeout(1)'s first signal: keep what was measured
     try:
         return _run_stages(args, stages, ctx, meta)
+    except Terminated:  # between stages or in the final table: the finished stages' rows are written already
+        print("stopped by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
 

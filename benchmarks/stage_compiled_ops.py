@@ -230,6 +230,7 @@ def run(ctx: Context) -> list[Record]:
                 timings[backend] = with_graph_timing(fn, ctx.device, t, setup) if not ctx.quick else (t, {})
             except Exception as exc:  # noqa: BLE001: one failing case must not end the stage
                 results.append(failed_case(exc, stage=STAGE, case=f"{op} {case}", backend=backend, shape=shape))
+                ctx.made.append(results[-1])  # (what run.py keeps if a timeout stops the stage)
         timings, how = {b: t for b, (t, _) in timings.items()}, {b: h for b, (_, h) in timings.items()}
         same_copy_ms = equal_copy_ms(ctx.device, nbytes) if copy_bps else None
         draw_ms = randn_ms(ctx.device, drawn) if copy_bps and "drawn" in case else None
@@ -251,6 +252,7 @@ def run(ctx: Context) -> list[Record]:
                                   "torch_normal_over_kernel": round(draw_ms / t.median_ms, 3)})
             results.append(Result(STAGE, f"{op} {case}", backend, shape, "float32", t,
                                   baseline="reference" if backend != "reference" else "", extra=extra))
+            ctx.made.append(results[-1])
     return results
 
 

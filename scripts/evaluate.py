@@ -4,8 +4,8 @@
     python scripts/evaluate.py SAMPLES --ref REF --inception-weights weights-inception-2015-12-05-6726825d.pth
     python scripts/evaluate.py SAMPLES --digits
 
-SAMPLES: a folder of PNG/JPEG files (read in name order; labels from the ``manifest.json`` that
-scripts/sample.py writes) or an ADM-layout ``.npz`` (``arr_0`` uint8 (N, H, W, 3), optional ``arr_1``
+SAMPLES: a folder of PNG/JPEG files (read in name order, numbered names by number; labels from the
+``manifest.json`` that scripts/sample.py writes) or an ADM-layout ``.npz`` (``arr_0`` uint8 (N, H, W, 3), optional ``arr_1``
 labels). REF: an image folder, an ADM reference batch / sample ``.npz`` (``arr_0``), or statistics
 (``.npz`` with ``mu`` and ``sigma``, and ``pool`` features for precision/recall) saved by ``--save-ref``.
 Where a reference batch holds both images and ``mu``/``sigma``, its images are re-encoded with this
@@ -28,6 +28,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import argparse  # noqa: E402
+import re  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -41,8 +42,9 @@ IMAGE_EXTS = (".png", ".jpg", ".jpeg")
 
 def _file_order(p: Path):
     # numbered names by number: sample.py's names grow to 7 digits at 10^6, and 1000000.png sorted between
-    # 100000.png and 100001.png, pairing images with other images' manifest labels
-    return (0, int(p.stem), "") if p.stem.isdigit() else (1, 0, p.name)
+    # 100000.png and 100001.png, pairing images with other images' manifest labels (the name breaks ties)
+    numbered = re.fullmatch(r"[0-9]+", p.stem) is not None  # (isdigit takes "²", which int() refuses)
+    return (0, int(p.stem), p.name) if numbered else (1, 0, p.name)
 
 
 def image_files(folder: Path) -> list:

@@ -159,6 +159,31 @@ def test_a_stage_stopped_by_sigterm_keeps_the_rows_it_measured(tmp_path, monkeyp
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
 
 
+def test_the_compiled_ops_stage_stopped_by_sigterm_keeps_its_rows(tmp_path, monkeypatch):
+    # it builds its rows itself, not through run_case: the kept rows were none
+    import signal
+
+    from benchmarks import stage_compiled_ops as stage
+    from vqlcmd import ops
+
+    if ops.why_not("categorical_kl", "compiled", torch.empty(1)) is not None:
+        pytest.skip("the compiled extension is not built")
+    real, calls = stage.measure, []
+
+    def measure_then_stop(*a, **k):
+        calls.append(1)
+        if len(calls) == 5:  # two cases of two backends done: stopped inside the third
+            signal.raise_signal(signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(stage, "measure", measure_then_stop)
+    out = tmp_path / "r.jsonl"
+    assert bench.main(["--stage", "compiled_ops", "--device", "cpu", "--quick", "--out", str(out)]) == 143
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
+    assert sum(r["speedup"] is not None and r["backend"] == "compiled" for r in rows) == 2  # paired in the stage
+
+
 def test_a_stage_given_twice_runs_once(tmp_path, monkeypatch):
     runs = []
     monkeypatch.setitem(sys.modules, "benchmarks.stage_once",

@@ -315,6 +315,10 @@ def test_a_run_too_short_for_its_warm_up_or_ema_is_warned_about():
 def test_set_names_a_misspelt_deepspeed_key_and_a_bad_optimizer_impl(tmp_path, tiny_shards, make_config):
     typo = _run_train(make_config(tmp_path, tiny_shards), "--set", "gradient_clippin=1")
     assert typo.returncode == 2 and "did you mean the DeepSpeed key 'gradient_clipping'" in typo.stderr
+    from vqlcmd.engine.config import near_deepspeed_key
+
+    for near_a_section in ("optimiser.lr", "schedul.shift"):  # vqlcmd's error names those sections' keys
+        near_deepspeed_key(near_a_section)
     # optimizer.impl was checked only when the optimizer was built (after the digits tokenizer's minutes)
     with pytest.raises(ConfigError, match=r"impl must be 'torch' or 'apex', got 'foo'"):
         parse_vqlcmd_section({"optimizer": {"impl": "foo"}})

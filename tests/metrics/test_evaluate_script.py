@@ -187,3 +187,12 @@ def test_bad_inputs_are_refused_before_any_image_is_encoded(evaluate, tmp_path, 
     Image.new("L", (48, 40)).save(mixed / "b.png")
     with pytest.raises(SystemExit, match="images of different sizes: b.png is 48x40, the others 32x32"):
         evaluate.main([str(mixed), "--digits"])
+
+
+def test_numbered_images_are_read_in_number_order(evaluate, tmp_path):
+    # sample.py's names grow to 7 digits at 10^6: by name, 1000000.png came between 100000 and 100001
+    for name in ("100001.png", "1000000.png", "100000.png", "²x.png", "a.png"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "².png").write_bytes(b"")  # isdigit but no int: not a number
+    names = [p.name for p in evaluate.image_files(tmp_path)]
+    assert names[:3] == ["100000.png", "100001.png", "1000000.png"] and set(names[3:]) == {"a.png", "²x.png", "².png"}

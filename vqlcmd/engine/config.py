@@ -304,9 +304,12 @@ def near_deepspeed_key(dotted: str) -> None:
     import difflib
 
     first = dotted.split(".", 1)[0]
-    if first in {f.name for f in fields(VQLCMDConfig)}:
-        return
-    near = difflib.get_close_matches(first, _DEEPSPEED_KEYS, n=1, cutoff=0.8)
+    sections = [f.name for f in fields(VQLCMDConfig)]
+    if first in sections or difflib.get_close_matches(first, sections, n=1, cutoff=0.8):
+        return  # a vqlcmd section or a near miss of one ("optimiser"): vqlcmd's own error names its keys
+    # not the two DeepSpeed sections the engine refuses (its own optimizer and schedule are vqlcmd's)
+    usable = [k for k in _DEEPSPEED_KEYS if k not in ("optimizer", "scheduler")]
+    near = difflib.get_close_matches(first, usable, n=1, cutoff=0.8)
     if near:
         raise ConfigError(f"--set {dotted}: {first!r} is not a key; did you mean the DeepSpeed key {near[0]!r}?")
 

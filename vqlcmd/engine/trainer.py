@@ -614,8 +614,8 @@ class Trainer:
         then, now = saved.get("vqlcmd", {}), self.cfg.to_dict()
         seed = then.get("train", {}).get("seed")
         if seed is not None and seed != self.cfg.train.seed:  # the loader's order and the loss's draws follow it
-            raise ConfigError(f"{folder} was trained with train.seed {seed} but this run has {self.cfg.train.seed}; the "
-                              "data order and the loss's random draws resume from the saved seed's streams, so "
+            raise ConfigError(f"{folder} was trained with train.seed {seed} but this run has {self.cfg.train.seed}; "
+                              "the data order and the loss's random draws resume from the saved seed's streams, so "
                               "resume with the same seed, or train in another train.output_dir")
         # (another schedule: another method mid-run; CSDM†'s csdm section decides its frozen table, as embedding does)
         keys = ("method", "model", "embedding", "schedule") + (("csdm",) if now["method"] == "csdm_fixed" else ())
