@@ -391,8 +391,9 @@ def _load_tokenizer(folder: Path, ref: dict, device):
     if not path.is_absolute():
         path = folder / path
     if not path.exists():
-        raise FileNotFoundError(f"tokenizer folder {path} named by {folder / CONFIG} is missing "
-                                "(pass load_tokenizer=False and output_type='tokens' to sample tokens only)")
+        raise FileNotFoundError(f"tokenizer folder {path} named by {folder / CONFIG} is missing: restore it, or "
+                                "point tokenizer.path there at its new place (from Python, tokens alone need none: "
+                                "load_tokenizer=False, output_type='tokens')")
     tok = load_tokenizer(path)
     if ref.get("identifier") and getattr(tok, "identifier", None) not in (None, ref["identifier"]):
         raise ValueError(f"tokenizer at {path} has identifier {tok.identifier}, but the model was trained on "

@@ -305,3 +305,13 @@ def test_class_names_as_labels_get_a_message_that_says_labels_are_ids(tiny_pipel
     assert tiny_pipeline.class_names == list("abcd")
     with pytest.raises(ValueError, match=r"class_labels must be integer class ids \(a pipeline's class_names"):
         tiny_pipeline(["b"], output_type="tokens")
+
+
+def test_a_missing_tokenizer_folder_says_how_to_go_on(tiny_pipeline, tmp_path):
+    folder = tiny_pipeline.save_pretrained(tmp_path / "p")
+    config = json.loads((folder / "config.json").read_text())
+    config["tokenizer"]["path"] = str(tmp_path / "moved")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match=r"moved named by .* is missing: restore it, or point tokenizer\.path"):
+        VQLCMDPipeline.from_pretrained(folder)
+    assert VQLCMDPipeline.from_pretrained(folder, load_tokenizer=False).tokenizer is None

@@ -231,3 +231,57 @@ def test_a_pipeline_rewritten_while_it_loads_is_loaded_again(sample_script, tiny
     assert len(loads) == 2  # the first load was not trusted
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert manifest["weights_sha256"] == sample_script.weights_digest(folder)
+
+
+def test_late_failures_are_refused_before_anything_is_written(sample_script, pipe_dir, tmp_path, capsys):
+    """--fast cudagraphs on a CPU raised after the manifest was written; an --npz under a file failed after
+    every image was sampled."""
+    out = tmp_path / "s"
+    with pytest.raises(SystemExit, match="--fast cudagraphs: "):
+        sample_script.main(_args(pipe_dir, out, "--fast", "cudagraphs"))
+    assert not out.exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        sample_script.main(_args(pipe_dir, out, "--npz", str(tmp_path / "file" / "sub" / "s.npz")))
+    assert exc.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err and not out.exists()
+
+
+def test_the_npz_holds_grey_rgb_and_rgba_pngs_as_rgb(sample_script, tmp_path):
+    from PIL import Image
+
+    grey = np.full((4, 4), 7, np.uint8)
+    rgb = np.arange(48, dtype=np.uint8).reshape(4, 4, 3)
+    rgba = np.concatenate([rgb + 1, np.full((4, 4, 1), 255, np.uint8)], axis=-1)
+    for i, a in enumerate((grey, rgb, rgba)):
+        Image.fromarray(a).save(tmp_path / sample_script.png_name(i))
+    sample_script.write_npz(tmp_path, 3, [0, 1, 2], tmp_path / "o.npz")
+    with np.load(tmp_path / "o.npz") as data:
+        batch = data["arr_0"]
+        assert batch.shape == (3, 4, 4, 3) and batch.dtype == np.uint8 and data["arr_1"].tolist() == [0, 1, 2]
+    assert (batch[0] == 7).all() and np.array_equal(batch[1], rgb) and np.array_equal(batch[2], rgb + 1)
+
+
+def _digest_worker(rank, init_file, digests, results):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sample_script", Path(__file__).resolve().parents[2] / "scripts"
+                                                  / "sample.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        mod.same_on_every_rank(digests[rank], "pipe")
+        results[rank] = "passed"
+    except SystemExit as exc:
+        results[rank] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("digests, said", [(("a", "a"), "passed"), (("a", "b"), "the ranks loaded different weights")])
+def test_every_rank_must_have_loaded_the_same_weights(tmp_path, digests, said):
+    """Each rank loads the folder itself: a re-export between two ranks' loads mixed two models silently."""
+    results = mp.Manager().dict()
+    mp.spawn(_digest_worker, args=(str(tmp_path / "init"), digests, results), nprocs=2, join=True)
+    assert said in results[0] and results[1] == results[0]
