@@ -173,13 +173,6 @@ def _dist_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def barrier(world):
-    if _dist_active():
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
 def seed_value(text: str) -> int:
     """A seed the per-image seeds (seed << 32 | index) keep apart: a negative one aliased another, and one of
     2**31 or more overflowed the generator's int64 after the manifest was written."""

@@ -38,7 +38,6 @@ def _as_rank(monkeypatch, mod, rank, world):
     import torch
 
     monkeypatch.setattr(mod, "dist_setup", lambda args: (rank, world, torch.device("cpu")))
-    monkeypatch.setattr(mod, "barrier", lambda world: None)
 
 
 def test_images_do_not_depend_on_the_number_of_ranks(sample_script, pipe_dir, tmp_path, monkeypatch):
@@ -152,7 +151,8 @@ def test_bad_paths_are_one_line_errors(sample_script, pipe_dir, tmp_path):
     assert exc.value.code == 2 and not (tmp_path / "s3").exists()
 
 
-def _manifest_worker(rank, init_file, out_dir, results):
+def _two_rank_worker(rank, init_file, call, arg, results):
+    """Rank ``rank`` of 2 (gloo) runs ``call(sample.py as a module, rank, arg)``: "passed", or its refusal."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("sample_script", Path(__file__).resolve().parents[2] / "scripts"
@@ -162,12 +162,20 @@ def _manifest_worker(rank, init_file, out_dir, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        mod.check_manifest(Path(out_dir), {k: None for k in mod.IMAGE_KEYS}, rank, 2)
+        call(mod, rank, arg)
         results[rank] = "passed"
     except SystemExit as exc:
         results[rank] = str(exc)
     finally:
         dist.destroy_process_group()
+
+
+def _check_manifest(mod, rank, out_dir):
+    mod.check_manifest(Path(out_dir), {k: None for k in mod.IMAGE_KEYS}, rank, 2)
+
+
+def _same_on_every_rank(mod, rank, digests):
+    mod.same_on_every_rank(digests[rank], "pipe")
 
 
 @pytest.mark.parametrize("where, said", [("samples", "is a file, not a folder"),
@@ -177,7 +185,8 @@ def test_a_refusal_on_rank_0_stops_every_rank(tmp_path, where, said):
     launchers that do not stop the other processes when one fails (an OSError there too)."""
     (tmp_path / "samples").write_text("not a folder")
     results = mp.Manager().dict()
-    mp.spawn(_manifest_worker, args=(str(tmp_path / "init"), str(tmp_path / where), results), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), _check_manifest, str(tmp_path / where), results),
+             nprocs=2, join=True)
     assert said in results[0]
     assert results[1] == results[0]
 
@@ -261,27 +270,10 @@ def test_the_npz_holds_grey_rgb_and_rgba_pngs_as_rgb(sample_script, tmp_path):
     assert (batch[0] == 7).all() and np.array_equal(batch[1], rgb) and np.array_equal(batch[2], rgb + 1)
 
 
-def _digest_worker(rank, init_file, digests, results):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sample_script", Path(__file__).resolve().parents[2] / "scripts"
-                                                  / "sample.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        mod.same_on_every_rank(digests[rank], "pipe")
-        results[rank] = "passed"
-    except SystemExit as exc:
-        results[rank] = str(exc)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("digests, said", [(("a", "a"), "passed"), (("a", "b"), "the ranks loaded different weights")])
 def test_every_rank_must_have_loaded_the_same_weights(tmp_path, digests, said):
     """Each rank loads the folder itself: a re-export between two ranks' loads mixed two models silently."""
     results = mp.Manager().dict()
-    mp.spawn(_digest_worker, args=(str(tmp_path / "init"), digests, results), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), _same_on_every_rank, digests, results), nprocs=2,
+             join=True)
     assert said in results[0] and results[1] == results[0]
