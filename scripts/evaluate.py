@@ -5,9 +5,10 @@
     python scripts/evaluate.py SAMPLES --digits
 
 SAMPLES: a folder of PNG/JPEG files (read in name order, numbered names by number; labels from the
-``manifest.json`` that scripts/sample.py writes) or an ADM-layout ``.npz`` (``arr_0`` uint8 (N, H, W, 3), optional ``arr_1``
-labels). REF: an image folder, an ADM reference batch / sample ``.npz`` (``arr_0``), or statistics
-(``.npz`` with ``mu`` and ``sigma``, and ``pool`` features for precision/recall) saved by ``--save-ref``.
+``manifest.json`` that scripts/sample.py writes) or an ADM-layout ``.npz`` (``arr_0`` uint8 (N, H, W, 3),
+optional ``arr_1`` labels). REF: an image folder, an ADM reference batch / sample ``.npz`` (``arr_0``), or
+statistics (``.npz`` with ``mu`` and ``sigma``, and ``pool`` features for precision/recall) saved by
+``--save-ref``.
 Where a reference batch holds both images and ``mu``/``sigma``, its images are re-encoded with this
 Inception so that both sides come from one network.
 
@@ -28,8 +29,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import argparse  # noqa: E402
-import re  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -303,12 +303,9 @@ class VQLCMDPipeline:
         """The batches' outputs (``_finish``) as one: tokens (N, h, w), images in [0, 1] or PIL images."""
         if output_type == "pil":
             return [image for chunk in chunks for image in chunk]
-        if chunks:
-            return torch.cat(chunks)
-        if output_type == "tokens":
-            return torch.empty(0, *self.grid, dtype=torch.long, device=self.device)
-        h, w = self.tokenizer.image_size  # (_request saw it loaded)
-        return torch.empty(0, self.tokenizer.channels, h, w)
+        if not chunks:  # no images: an empty batch of the type asked for (_request saw a tokenizer if needed)
+            chunks = [self._finish(torch.empty(0, *self.grid, dtype=torch.long, device=self.device), output_type)]
+        return torch.cat(chunks)
 
     def _autocast(self):
         dtype = self.network.embedding.weight.dtype

@@ -45,6 +45,11 @@ def _signal_name(signum: Optional[int]) -> str:
     return signal.Signals(signum).name if signum else "another rank's signal"  # None: learnt from another rank
 
 
+def _zero_stage(ds: dict) -> int:
+    """The ZeRO stage of a DeepSpeed config (a run's, or a checkpoint's saved one)."""
+    return (ds.get("zero_optimization") or {}).get("stage", 0)
+
+
 def run_length_warnings(cfg: VQLCMDConfig) -> list:
     """Settings that a run of ``train.steps`` steps cannot play out, as a shipped config shrunk with
     ``--set train.steps=20`` gives: it trained inside its warm-up and exported near-initial weights."""
@@ -192,17 +197,17 @@ class Trainer:
         # DeepSpeed takes a bool: "auto" becomes one here, and the run's config records which
         self.bf16, bf16_why = resolve_bf16(ds.get("bf16", {}).get("enabled", False), self.device)
         ds["bf16"] = {**ds.get("bf16", {}), "enabled": self.bf16}
-        if self.bf16 and ds.get("zero_optimization", {}).get("stage", 0) == 0 and self._resumes_zero0_bf16():
+        if self.bf16 and _zero_stage(ds) == 0:
+            if not self._resumes_zero0_bf16():
+                raise ConfigError(
+                    f"zero_optimization.stage 0 with bf16 ({bf16_why}) is not supported: DeepSpeed then wraps the "
+                    "optimizer in its FP16_UnfusedOptimizer, which takes one AdamW step on zero gradients as it "
+                    "starts (Adam's bias correction runs a step ahead, weight decay applies once before training; "
+                    "the loss was 4% higher after 12 steps) and reduces gradients in bf16. Use stage 1 (on one "
+                    "rank the same training as 0) or 2, or bf16.enabled false")
             self.log("warning: resuming a ZeRO 0 bf16 run, which is no longer accepted for new runs: DeepSpeed's "
                      "FP16_UnfusedOptimizer took one AdamW step on zero gradients as that run started (its "
                      "later steps are sound); train new runs at stage 1 or 2")
-        elif self.bf16 and ds.get("zero_optimization", {}).get("stage", 0) == 0:
-            raise ConfigError(
-                f"zero_optimization.stage 0 with bf16 ({bf16_why}) is not supported: DeepSpeed then wraps the "
-                "optimizer in its FP16_UnfusedOptimizer, which takes one AdamW step on zero gradients as it starts "
-                "(Adam's bias correction runs a step ahead, weight decay applies once before training; the loss "
-                "was 4% higher after 12 steps) and reduces gradients in bf16. Use stage 1 (on one rank the same "
-                "training as 0) or 2, or bf16.enabled false")
         self._check_output_dir(ds)  # before anything is built or written there
 
         # ---- model, EMAs, optimizer -------------------------------------------------------------
@@ -259,7 +264,7 @@ class Trainer:
                  f"{cfg.model.preset}, method {cfg.method}, K={den_cfg.codebook_size} M={den_cfg.seq_len} "
                  f"D={den_cfg.embed_dim}, "
                  f"{self.world} rank(s) x micro-batch {micro} x accumulation {gas}, ZeRO stage "
-                 f"{ds.get('zero_optimization', {}).get('stage', 0)}, {'bf16' if self.bf16 else 'fp32'} ({bf16_why}), "
+                 f"{_zero_stage(ds)}, {'bf16' if self.bf16 else 'fp32'} ({bf16_why}), "
                  f"attention {attn}, device {self.device}")
         for warning in run_length_warnings(cfg):
             self.log(f"warning: {warning}")
@@ -587,8 +592,7 @@ class Trainer:
             was = json.loads(saved.read_text())
         except (OSError, ValueError):
             return False  # the resume check names the damage
-        return ((was.get("zero_optimization") or {}).get("stage", 0) == 0
-                and bool((was.get("bf16") or {}).get("enabled", False)))
+        return _zero_stage(was) == 0 and bool((was.get("bf16") or {}).get("enabled", False))
 
     def _check_resumable(self, folder: Path, ds: dict) -> None:
         """What a resume would otherwise fail on deep inside DeepSpeed or the loader, named up front.
@@ -606,11 +610,11 @@ class Trainer:
             name = {True: "bf16", False: "fp32"}
             raise ConfigError(f"{folder} was trained in {name[was]} but this run trains in {name[self.bf16]}; "
                               f"set bf16.enabled to {str(was).lower()} in the config to resume it")
-        stage = lambda cfg: (cfg.get("zero_optimization") or {}).get("stage", 0)  # noqa: E731
-        if (stage(saved) == 0) != (stage(ds) == 0):  # 1 <-> 2 resume fine; 0 keeps no ZeRO partition files
-            raise ConfigError(f"{folder} was trained at zero_optimization.stage {stage(saved)} but this run has "
-                              f"stage {stage(ds)}; DeepSpeed cannot load one's optimizer state as the other's: "
-                              + ("resume with stage 1 or 2" if stage(saved) else "resume with stage 0"))
+        then_stage, now_stage = _zero_stage(saved), _zero_stage(ds)
+        if (then_stage == 0) != (now_stage == 0):  # 1 <-> 2 resume fine; 0 keeps no ZeRO partition files
+            raise ConfigError(f"{folder} was trained at zero_optimization.stage {then_stage} but this run has "
+                              f"stage {now_stage}; DeepSpeed cannot load one's optimizer state as the other's: "
+                              + ("resume with stage 1 or 2" if then_stage else "resume with stage 0"))
         then, now = saved.get("vqlcmd", {}), self.cfg.to_dict()
         seed = then.get("train", {}).get("seed")
         if seed is not None and seed != self.cfg.train.seed:  # the loader's order and the loss's draws follow it
