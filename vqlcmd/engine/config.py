@@ -298,13 +298,18 @@ def load_config(name: str, edit: Optional[Callable[[dict], None]] = None,
     return raw, cfg
 
 
+def _section_names() -> list:
+    """The vqlcmd section's own keys (model, data, loss, ..., optimizer)."""
+    return [f.name for f in fields(VQLCMDConfig)]
+
+
 def near_deepspeed_key(dotted: str) -> None:
     """A ``--set`` key that is no vqlcmd section's but close to a DeepSpeed key (``gradient_clippin``): a
     ConfigError saying which, as the config file's own check does (not 'unknown key vqlcmd....')."""
     import difflib
 
     first = dotted.split(".", 1)[0]
-    sections = [f.name for f in fields(VQLCMDConfig)]
+    sections = _section_names()
     if first in sections or difflib.get_close_matches(first, sections, n=1, cutoff=0.8):
         return  # a vqlcmd section or a near miss of one ("optimiser"): vqlcmd's own error names its keys
     # not the two DeepSpeed sections the engine refuses (its own optimizer and schedule are vqlcmd's)
@@ -319,7 +324,7 @@ def is_deepspeed_key(dotted: str) -> bool:
     ``bf16.enabled``): its first name is a DeepSpeed key and not a vqlcmd section's (``optimizer`` is both,
     and stays the vqlcmd one: the engine builds its own optimizer)."""
     first = dotted.split(".", 1)[0]
-    return first in _DEEPSPEED_KEYS and first not in {f.name for f in fields(VQLCMDConfig)}
+    return first in _DEEPSPEED_KEYS and first not in _section_names()
 
 
 # DeepSpeed keys a run of this engine may set. DeepSpeed ignores keys it does not read, so a misspelt one
