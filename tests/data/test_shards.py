@@ -116,6 +116,29 @@ def test_corrupt_data_fails_the_checksum(tmp_path):
     assert len(open_shard(p, verify=False)) == 10  # without verification it opens (caller's choice)
 
 
+@pytest.mark.parametrize("old, new", [(b'"codebook_size": 50', b'"codebook_size": 58'),
+                                      (b'"class_names": ["a", "b"', b'"class_names": ["a", "c"')])
+def test_a_flipped_header_value_fails_the_header_checksum(tmp_path, old, new):
+    """The arrays' CRC does not cover the header; a one-shard set has no other header to compare with."""
+    p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
+    b = p.read_bytes()
+    assert b.count(old) == 1
+    p.write_bytes(b.replace(old, new))
+    with pytest.raises(ShardError, match=r"s\.vqtok: header checksum mismatch"):
+        open_shard(p, verify=False)
+    with pytest.raises(ShardError, match="header checksum mismatch"):
+        TokenShardDataset(tmp_path)
+
+
+def test_a_shard_from_before_the_header_checksum_still_opens(tmp_path):
+    toks, labs = _data()
+    p = write_shard(tmp_path / "s.vqtok", toks, labs, HEADER)
+    assert "header_crc32" in json.loads(_raw(p)[0][16:16 + _raw(p)[1]])
+    _edit_header(p)  # drops the field, as older writers did
+    s = open_shard(p)
+    assert "header_crc32" not in s.header and s.tokens.tolist() == toks.reshape(10, 6).tolist()
+
+
 def test_corrupt_header_json(tmp_path):
     p = write_shard(tmp_path / "s.vqtok", *_data(), HEADER)
     b, n = _raw(p)
@@ -125,9 +148,11 @@ def test_corrupt_header_json(tmp_path):
 
 
 def _edit_header(path, **changes):
+    """Rewrites header fields as a shard from before the header's CRC (which had none) would hold them."""
     b, n = _raw(path)
     h = json.loads(b[16:16 + n])
     h.update(changes)
+    h.pop("header_crc32")
     body = json.dumps(h).encode()
     assert len(body) <= n
     path.write_bytes(b[:16] + body + b" " * (n - len(body)) + b[16 + n:])
@@ -175,6 +200,8 @@ def test_unconditional_shard_uses_label_zero(tmp_path):
 
 
 def _put_header(path, h):
+    if isinstance(h, dict):
+        h.pop("header_crc32", None)  # a shard from before the header's CRC
     b, n = _raw(path)
     body = json.dumps(h).encode()
     assert len(body) <= n

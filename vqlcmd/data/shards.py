@@ -10,7 +10,8 @@ Layout (little endian)::
 
 One file rather than ``.npy`` + ``.json`` pairs so that a shard is written atomically (temp file,
 then rename) and can never be half old, half new. The header carries the tokenizer id, codebook
-size, grid and class names, which every shard of a data set must share, and a CRC-32 of the arrays.
+size, grid and class names, which every shard of a data set must share, a CRC-32 of the arrays and one
+of the header itself (shards written before the header's CRC existed lack it and are read as before).
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def write_shard(path, tokens, labels, header: dict) -> Path:
     labs = np.ascontiguousarray(labs, dtype="<i4")
     h.update(format="vqlcmd-token-shard", count=len(toks), tokens_dtype="uint16", labels_dtype="int32",
              crc32=zlib.crc32(labs.tobytes(), zlib.crc32(toks.tobytes())))
+    h["header_crc32"] = _header_crc(h)
     body = json.dumps(h, sort_keys=True).encode()
     body += b" " * (_align(16 + len(body)) - 16 - len(body))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -120,6 +122,12 @@ def write_shard(path, tokens, labels, header: dict) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
     return path
+
+
+def _header_crc(header: dict) -> int:
+    # The arrays' CRC cannot catch a flipped bit in codebook_size or a class name, and a single shard has
+    # no other shard to be compared with; the canonical JSON (what write_shard writes) is what is summed.
+    return zlib.crc32(json.dumps({k: v for k, v in header.items() if k != "header_crc32"}, sort_keys=True).encode())
 
 
 def _check_ranges(toks: np.ndarray, labs: np.ndarray, h: dict, path) -> None:
@@ -165,6 +173,9 @@ def open_shard(path, *, verify: bool = True) -> Shard:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ShardError(f"token shard {path}: header is not valid JSON ({e})") from None
+    if isinstance(header, dict) and "header_crc32" in header and header["header_crc32"] != _header_crc(header):
+        raise ShardError(f"token shard {path}: header checksum mismatch (file corrupt: CRC-32 "
+                         f"{_header_crc(header):#010x}, header says {header['header_crc32']!r})")
     h = check_header(header, path)
     if h.get("format") != "vqlcmd-token-shard" or h.get("tokens_dtype") != "uint16" \
             or h.get("labels_dtype") != "int32":
