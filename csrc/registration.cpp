@@ -1,8 +1,9 @@
 // The schemas of the vqlcmd ops, declared once. Device implementations live
 // beside each op (TORCH_LIBRARY_IMPL CPU in *_cpu.cpp, CUDA in *.cu); autograd
 // and fake (meta) implementations are registered from Python in
-// vqlcmd/ops/_compiled.py, which set_python_module names so that torch imports
-// it when a fake implementation is needed.
+// vqlcmd/ops/_compiled.py (importing vqlcmd._C runs vqlcmd/__init__.py, which
+// imports it). set_python_module names that module: torch's error for a missing
+// fake implementation then says what to import, and register_fake checks it.
 #include <torch/library.h>
 
 TORCH_LIBRARY(vqlcmd, m) {

@@ -1,0 +1,148 @@
+"""Compiled-backend (csrc/) contracts that tests/ops/test_compiled_ops.py left out, each found by a
+mutation of the CPU kernels or of their torch.library registrations that survived that file: the
+ops' own argument checks (the Python wrappers check first, so only a direct torch.ops call reaches
+them), the ada_layer_norm eps argument and the float32 precision of its modulation gradients,
+short_attention's edge lengths, the seed/offset that the noise backward regenerates from, and the
+fake (meta) implementations for bf16 and strided inputs.
+"""
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from vqlcmd import ops
+from vqlcmd.ops import _compiled
+
+pytestmark = pytest.mark.skipif(_compiled.unavailable() is not None,
+                                reason=f"compiled backend not built: {_compiled.unavailable()}")
+
+def test_noise_sigma_grad_regenerates_the_ops_own_seed_and_offset(gen):
+    """Drawn noise (no seed_tensor): d z / d sigma = sum of upstream * eps with the eps of this call's
+    (seed, offset), which the backward regenerates from the saved int arguments."""
+    tokens = torch.randint(0, 9, (3, 5), generator=gen)
+    table = torch.randn(9, 11, generator=gen)
+    alpha = torch.rand(3, generator=gen)
+    sigma = (torch.rand(3, generator=gen) + 0.1).requires_grad_()
+    z = torch.ops.vqlcmd.noise_embeddings(tokens, table, alpha, sigma, None, None, -1, 11, 4)
+    upstream = torch.randn(z.shape, generator=gen)
+    (g,) = torch.autograd.grad(z, sigma, upstream)
+    eps = torch.ops.vqlcmd.noise_embeddings(tokens, table, torch.zeros(3), torch.ones(3), None, None, -1, 11, 4)
+    assert not torch.equal(eps, torch.ops.vqlcmd.noise_embeddings(tokens, table, torch.zeros(3), torch.ones(3),
+                                                                  None, None, -1, 4, 11))
+    torch.testing.assert_close(g, (upstream * eps).sum((1, 2)), atol=1e-4, rtol=1e-5)
+
+
+def test_ops_refuse_mis_sized_arguments_themselves(gen):
+    """torch.ops.vqlcmd.* is public (torch.compile graphs call it with no Python check before it): a per-image
+    coefficient, a noise tensor or an upstream gradient of the wrong size must raise, not be read past its end."""
+    tokens = torch.randint(0, 5, (3, 4), generator=gen)
+    table = torch.randn(5, 8, generator=gen)
+    ones3 = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"alpha must have shape \(3,\)"):
+        torch.ops.vqlcmd.noise_embeddings(tokens, table, torch.ones(2), ones3, None, None, -1, 0, 0)
+    with pytest.raises(RuntimeError, match=r"sigma must have shape \(3,\)"):
+        torch.ops.vqlcmd.noise_embeddings(tokens, table, ones3, torch.ones(1, 3), None, None, -1, 0, 0)
+    with pytest.raises(RuntimeError, match=r"noise must be \(B, M, D\)"):
+        torch.ops.vqlcmd.noise_embeddings(tokens, table, ones3, ones3, torch.zeros(3, 4, 7), None, -1, 0, 0)
+    with pytest.raises(RuntimeError, match=r"alpha must have shape \(3,\)"):
+        torch.ops.vqlcmd.noise_embeddings_backward(torch.ones(3, 4, 8), tokens, None, -1, torch.ones(2), 5, False)
+    with pytest.raises(RuntimeError, match=r"sigma_s must have shape \(3,\)"):
+        torch.ops.vqlcmd.ddim_teacher_step(tokens, table, torch.zeros(3, 4, 8), ones3, ones3, ones3, torch.ones(2))
+    t, s = torch.randn(4, 6, 9, generator=gen), torch.randn(4, 6, 9, generator=gen)
+    with pytest.raises(RuntimeError, match=r"grad_kl must hold one value per row \(24\)"):
+        torch.ops.vqlcmd.categorical_kl_backward(torch.ones(4, 5), t, s)
+
+
+def _ada_float64(h, scale, shift, upstream, eps):
+    """(1 + scale) LayerNorm(h) + shift and its three gradients, in float64 from the formula."""
+    h64, a64, b64 = (x.detach().double().requires_grad_() for x in (h, scale, shift))
+    mean = h64.mean(-1, keepdim=True)
+    var = ((h64 - mean) ** 2).mean(-1, keepdim=True)
+    y = (1 + a64[:, None]) * (h64 - mean) / torch.sqrt(var + eps) + b64[:, None]
+    return y.detach(), torch.autograd.grad(y, (h64, a64, b64), upstream.double())
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-3, 0.5])
+def test_ada_layer_norm_uses_its_eps_argument(eps, gen):
+    """Rows whose variance (~1e-4) is comparable to eps: y = (1 + a)(h - mean) / sqrt(var + eps) + b depends on
+    eps and on where it enters, so the kernel must take the eps it is given (every other test used 1e-5)."""
+    B, M, W = 2, 6, 40  # W = 40: five vectors of 8, no scalar tail
+    h = 3 + 1e-2 * torch.randn(B, M, W, generator=gen)
+    scale, shift = 0.5 * torch.randn(B, W, generator=gen), torch.randn(B, W, generator=gen)
+    upstream = torch.randn(B, M, W, generator=gen)
+    y64, g64 = _ada_float64(h, scale, shift, upstream, eps)
+    inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
+    y = ops.ada_layer_norm(*inputs, eps=eps, backend="compiled")
+    grads = torch.autograd.grad(y, inputs, upstream)
+    torch.testing.assert_close(y.double(), y64, atol=1e-4, rtol=1e-4)
+    for g, r in zip(grads, g64):
+        torch.testing.assert_close(g.double(), r, atol=1e-3 * r.abs().max().item(), rtol=1e-4)
+
+
+def test_ada_layer_norm_float32_modulation_gets_float32_gradients(gen):
+    """A bf16 h with float32 (scale, shift), as under autocast with a float32 conditioning path: the kernel sums
+    d scale = sum dy * n and d shift = sum dy in float32 (DESIGN.md: float32 accumulation) and hands them to the
+    float32 parameters unrounded; a detour through h's bf16 costs ~3 significant digits."""
+    B, M, W = 2, 16, 24
+    h = torch.randn(B, M, W, generator=gen).bfloat16()
+    scale, shift = 0.3 * torch.randn(B, W, generator=gen), torch.randn(B, W, generator=gen)
+    upstream = torch.randn(B, M, W, generator=gen).bfloat16()
+    _, (_, da64, db64) = _ada_float64(h, scale, shift, upstream, 1e-5)
+    inputs = [h, scale.clone().requires_grad_(), shift.clone().requires_grad_()]
+    y = ops.ada_layer_norm(*inputs, backend="compiled")
+    da, db = torch.autograd.grad(y, inputs[1:], upstream)
+    assert da.dtype == db.dtype == torch.float32
+    torch.testing.assert_close(db.double(), db64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(da.double(), da64, atol=1e-4, rtol=1e-4)
+
+
+def test_short_attention_serves_the_longest_length_it_claims(gen):
+    """SHORT_ATTENTION_MAX_LEN (= csrc's kMaxLen) tokens are served by the compiled kernel, per the Python side's
+    claim; one more token is refused."""
+    M = _compiled.SHORT_ATTENTION_MAX_LEN
+    q, k, v = (torch.randn(1, 1, M, 4, generator=gen) for _ in range(3))
+    assert ops.why_not("short_attention", "compiled", q, k, v) is None
+    out = ops.short_attention(q, k, v, backend="compiled")
+    p = torch.softmax(q.double() @ k.double().transpose(-2, -1) / 2.0, dim=-1)
+    torch.testing.assert_close(out.double(), p @ v.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_short_attention_zero_head_dim_lse():
+    """hd = 0: every score is 0, so each row's softmax is uniform and its log-sum-exp is log M (the op's second
+    output, float32 (B, H, M))."""
+    q = torch.empty(2, 3, 5, 0)
+    out, lse = torch.ops.vqlcmd.short_attention(q, q, q)
+    assert out.shape == (2, 3, 5, 0) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, torch.full((2, 3, 5), math.log(5)))
+
+
+def _fake_matches_real(op, *args):
+    """The fake (meta) implementation's outputs have the real kernel's shapes, dtypes and strides."""
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    real = real if isinstance(real, tuple) else (real,)
+    fake = fake if isinstance(fake, tuple) else (fake,)
+    assert len(real) == len(fake)
+    for r, f in zip(real, fake):
+        assert (f.shape, f.dtype, f.stride()) == (r.shape, r.dtype, r.stride()), (op, f, r)
+
+
+def test_fake_implementations_match_the_kernels_for_bf16_and_strided_inputs(gen):
+    """torch.compile traces the ops through their fakes; opcheck covers float32 contiguous inputs only, where a
+    fake that forgot the float32 of the KL, the statistics or the table gradient coincides with the real op."""
+    bf = torch.bfloat16
+    t, s = torch.randn(3, 5, 9, generator=gen).to(bf), torch.randn(3, 5, 9, generator=gen).to(bf)
+    _fake_matches_real(torch.ops.vqlcmd.categorical_kl.default, t, s, True)
+    _fake_matches_real(torch.ops.vqlcmd.categorical_kl.default, t, s, False)
+    tokens = torch.randint(0, 6, (3, 5), generator=gen)
+    _fake_matches_real(torch.ops.vqlcmd.noise_embeddings_backward.default, torch.randn(3, 5, 8, generator=gen).to(bf),
+                       tokens, None, -1, torch.rand(3, generator=gen), 6, False)
+    h = torch.randn(2, 5, 16, generator=gen).to(bf)
+    mod = torch.randn(2, 16, generator=gen).to(bf)
+    _fake_matches_real(torch.ops.vqlcmd.ada_layer_norm.default, h, mod, mod, 1e-5)
+    q = torch.randn(2, 3, 7, 4, generator=gen).to(bf)
+    _fake_matches_real(torch.ops.vqlcmd.short_attention.default, q, q, q)
+    x = torch.randn(6, 10, generator=gen).t()  # strided: the kernel returns a contiguous tensor
+    _fake_matches_real(torch.ops.vqlcmd.gelu_tanh.default, x)
