@@ -76,3 +76,25 @@ def test_ranks_and_resume(setup):
     rest = _epoch(b)
     ref = _epoch(OnlineTokenLoader(il, tok, 2, seed=3, flip=False, backend="dali"))
     assert torch.equal(torch.cat([t for t, _ in first + rest]), torch.cat([t for t, _ in ref]))
+
+
+def test_the_flip_coins_are_drawn_afresh_each_epoch(setup):
+    """'A fresh random flip every epoch': the coins themselves must differ between epochs. Reusing one coin
+    sequence per position still flipped other samples (the order is reshuffled), which the existing test
+    took for fresh flips."""
+    il, tok, plain, flipped = setup
+    loader = OnlineTokenLoader(il, tok, 5, seed=0, flip=True, backend="dali")
+    coins = [[f for _, f in _sample_ids(loader, plain, flipped)] for _ in range(3)]
+    assert all(len(c) == 10 for c in coins)
+    assert coins[0] != coins[1] or coins[1] != coins[2]
+    assert any(any(c) for c in coins) and not all(all(c) for c in coins)
+
+
+def test_drop_last_false_gives_every_sample(setup):
+    """drop_last is ShardLoader's: False keeps the last, smaller batch, so an epoch holds every sample."""
+    il, tok, plain, flipped = setup
+    loader = OnlineTokenLoader(il, tok, 3, seed=1, flip=False, backend="dali", drop_last=False)
+    assert len(loader) == 4
+    seen = [i for i, _ in _sample_ids(loader, plain, flipped)]
+    assert sorted(seen) == list(range(10))  # batches of 3, 3, 3, 1
+    assert len(OnlineTokenLoader(il, tok, 3, seed=1, flip=False, backend="dali")) == 3

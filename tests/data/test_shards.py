@@ -1,6 +1,7 @@
 """Token shards: round trip, validation of every bad input, multi-shard consistency."""
 import json
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -283,3 +284,136 @@ def test_a_rerun_with_another_shard_size_redoes_every_shard(tmp_path):
     tokens, _ = TokenShardDataset(tmp_path).gather(np.arange(10))
     assert tokens.reshape(-1).tolist() == list(range(10))
     assert "keeping 0 finished shard shard(s), making 5" in logs[-1] and "another shard size" in logs[-1]
+
+
+# ---- the format's edges (labels under the CRC, uint16's whole range, empty shards, zero-sized grids, every
+# index of a multi-shard set) -----------------------------------------------------------------------------
+def _offsets(path):
+    b, n = _raw(path)
+    return b, 16 + n
+
+
+def test_the_checksum_covers_the_labels_too(tmp_path):
+    """The module docstring: "a CRC-32 of the arrays". A flipped bit in a label (still a valid class) must fail."""
+    toks, labs = _data()
+    p = write_shard(tmp_path / "s.vqtok", toks, labs, HEADER)
+    s = open_shard(p)
+    # independent reference: zlib over the little-endian uint16 tokens, then the int32 labels
+    want = zlib.crc32(labs.astype("<i4").tobytes(), zlib.crc32(toks.reshape(10, 6).astype("<u2").tobytes()))
+    assert s.header["crc32"] == want
+    del s
+    b, tok_off = _offsets(p)
+    lab_off = tok_off + 128  # 10 x 6 uint16 = 120 bytes, padded to 64-byte alignment
+    assert struct.unpack("<i", b[lab_off:lab_off + 4])[0] == labs[0]
+    b = bytearray(b)
+    b[lab_off] ^= 0x01  # label 0..3 -> another label in 0..3: the range check cannot see it
+    p.write_bytes(bytes(b))
+    with pytest.raises(ShardError, match=r"s\.vqtok: checksum mismatch"):
+        open_shard(p)
+
+
+def test_a_grid_side_of_zero_is_refused(tmp_path):
+    with pytest.raises(ShardError, match=r"grid must be \[h, w\] of positive ints, got \[0, 3\]"):
+        write_shard(tmp_path / "z.vqtok", np.zeros((2, 0, 3), np.int64), np.zeros(2, np.int64),
+                    dict(HEADER, grid=[0, 3]))
+    assert not (tmp_path / "z.vqtok").exists()
+
+
+def test_a_codebook_of_65536_fills_uint16_exactly(tmp_path):
+    """codebook_size <= 65536 (ids 0..65535 fit uint16): the largest codebook and its largest id round-trip."""
+    toks = np.array([[0, 65535, 1, 2, 3, 65534]])
+    p = write_shard(tmp_path / "k.vqtok", toks, np.zeros(1, np.int64), dict(HEADER, codebook_size=65536))
+    assert open_shard(p).tokens.tolist() == toks.tolist()
+    with pytest.raises(ShardError, match="does not fit uint16"):
+        write_shard(tmp_path / "k2.vqtok", toks, np.zeros(1, np.int64), dict(HEADER, codebook_size=65537))
+
+
+def test_an_empty_shard_opens_and_adds_nothing(tmp_path):
+    """open_shard handles count 0 (no memory map of zero bytes); the header-length check must not refuse a file
+    that ends right after its header."""
+    p = write_shard(tmp_path / "a-empty.vqtok", np.zeros((0, 2, 3), np.int64), np.zeros(0, np.int64), HEADER)
+    s = open_shard(p)
+    assert len(s) == 0 and s.tokens.shape == (0, 6)
+    toks, labs = _data(4)
+    write_shard(tmp_path / "b.vqtok", toks, labs, HEADER)
+    ds = TokenShardDataset(tmp_path)
+    assert len(ds) == 4 and ds.gather([0, 3])[0].tolist() == [toks[0].reshape(-1).tolist(), toks[3].reshape(-1).tolist()]
+
+
+def test_every_index_of_a_multi_shard_set_reads_its_own_sample(tmp_path):
+    """ds[i] at shard boundaries (and negative i) against the concatenated source; i = len is an IndexError."""
+    parts = [_data(n, seed) for n, seed in ((4, 1), (1, 2), (5, 3))]
+    for k, (t, y) in enumerate(parts):
+        write_shard(tmp_path / f"s-{k}.vqtok", t, y, HEADER)
+    toks = np.concatenate([t.reshape(len(t), -1) for t, _ in parts])
+    labs = np.concatenate([y for _, y in parts])
+    ds = TokenShardDataset(tmp_path)
+    n = len(ds)
+    assert n == 10
+    for i in range(-n, n):
+        t, y = ds[i]
+        assert t.tolist() == toks[i].tolist() and int(y) == labs[i], i
+    for bad in (n, -n - 1):
+        with pytest.raises(IndexError, match="out of range"):
+            ds[bad]
+    bt, by = ds.gather(np.arange(n))
+    assert torch.equal(bt, torch.from_numpy(toks.astype(np.int64))) and by.tolist() == labs.tolist()
+
+
+class _IndexTokenizer:  # token = the sample's index: the shards say which samples they hold
+    identifier, codebook_size, grid = "index-tokenizer", 100, (1, 1)
+
+    def encode(self, images):
+        return images.reshape(len(images), -1)[:, :1].long()
+
+
+def _batches(start, stop):
+    yield torch.arange(start, stop, dtype=torch.float32)[:, None, None, None], torch.zeros(stop - start,
+                                                                                            dtype=torch.long)
+
+
+def test_a_rerun_with_more_samples_redoes_the_short_last_shard(tmp_path):
+    """10 samples in shards of 4 end in a 2-sample shard 2; a rerun over 12 samples needs shard 2 to hold 8..11.
+    Kept as finished, the set silently lacked samples 10 and 11."""
+    from vqlcmd.data.writer import write_token_shards
+
+    header = {"num_classes": 1, "class_names": ["x"]}
+    write_token_shards(tmp_path, _IndexTokenizer(), 10, _batches, header, shard_size=4, progress=False,
+                       log=lambda *a: None)
+    stats = write_token_shards(tmp_path, _IndexTokenizer(), 12, _batches, header, shard_size=4, progress=False,
+                               log=lambda *a: None)
+    assert stats["written"] == 1
+    tokens, _ = TokenShardDataset(tmp_path).gather(np.arange(12))
+    assert tokens.reshape(-1).tolist() == list(range(12))
+
+
+def test_a_finished_single_short_shard_is_kept_on_rerun(tmp_path):
+    """The module promise: a rerun only makes the missing shards. One shard shorter than shard_size (count <
+    shard_size) is finished work, not 'another shard size'."""
+    from vqlcmd.data.writer import write_token_shards
+
+    header = {"num_classes": 1, "class_names": ["x"]}
+    logs = []
+    write_token_shards(tmp_path, _IndexTokenizer(), 3, _batches, header, shard_size=10, progress=False,
+                       log=logs.append)
+    stamp = (tmp_path / "shard-00000.vqtok").stat().st_mtime_ns
+    stats = write_token_shards(tmp_path, _IndexTokenizer(), 3, _batches, header, shard_size=10, progress=False,
+                               log=logs.append)
+    assert stats["written"] == 0 and (tmp_path / "shard-00000.vqtok").stat().st_mtime_ns == stamp
+    assert "keeping 1 finished" in logs[-1] and "another shard size" not in logs[-1]
+
+
+def test_own_prefix_shards_of_the_other_flip_are_another_data_set(tmp_path):
+    """write_token_shards: shards of another data set are an error naming the difference, not silently replaced;
+    `flipped` is skipped only for the other prefix's shards (flip-* beside shard-*)."""
+    from vqlcmd.data.writer import write_token_shards
+
+    header = {"num_classes": 1, "class_names": ["x"]}
+    quiet = dict(shard_size=4, progress=False, log=lambda *a: None)
+    write_token_shards(tmp_path, _IndexTokenizer(), 4, _batches, dict(header, flipped=True), **quiet)
+    before = (tmp_path / "shard-00000.vqtok").read_bytes()
+    with pytest.raises(ShardError, match=r"1 shard\(s\) of another data set \(shard-00000\.vqtok: flipped true, not false"):
+        write_token_shards(tmp_path, _IndexTokenizer(), 4, _batches, dict(header, flipped=False), **quiet)
+    assert (tmp_path / "shard-00000.vqtok").read_bytes() == before
+    # the other prefix's flipped shards are this data set's
+    write_token_shards(tmp_path, _IndexTokenizer(), 4, _batches, dict(header, flipped=False), prefix="flip", **quiet)

@@ -67,3 +67,33 @@ def test_saving_a_step_again_keeps_the_complete_one_until_the_new_one_is_in(tmp_
     assert (tmp_path / "step_0000004" / "old").read_text() == "first"
     ckpt.commit(tmp_path, 4, 1)  # and a later save of that step replaces it cleanly
     assert (tmp_path / "step_0000004" / "new").exists() and not list(tmp_path.glob("*.replaced"))
+
+
+def _complete(ck, step):
+    (ck / ckpt.tag_for(step)).mkdir(parents=True)
+
+
+def test_without_latest_the_newest_complete_checkpoint_is_taken(tmp_path):
+    """latest_tag: 'else the newest complete one'; a .partial or .replaced folder is never complete."""
+    for step in (2, 10, 4):
+        _complete(tmp_path, step)
+    (tmp_path / "step_0000020.partial").mkdir()
+    (tmp_path / "step_0000030.replaced").mkdir()
+    (tmp_path / "step_0000040.tmp").mkdir()
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_0000002", "step_0000004", "step_0000010"]
+    assert ckpt.latest_tag(tmp_path) == "step_0000010"
+    # `latest` naming a folder that is gone (deleted by hand): the newest complete one, again
+    (tmp_path / "latest").write_text("step_0000099\n")
+    assert ckpt.latest_tag(tmp_path) == "step_0000010"
+    assert ckpt.latest_tag(tmp_path / "nowhere") is None
+
+
+def test_a_damaged_checkpoint_names_the_one_just_before_it(tmp_path):
+    for step in (2, 4, 6):
+        _complete(tmp_path, step)
+    msg = ckpt.unreadable(tmp_path / "step_0000006", "truncated file")
+    assert msg.startswith(f"cannot resume from {tmp_path / 'step_0000006'}: truncated file.")
+    assert "resume from the previous one (step_0000004) by moving" in msg
+    only = tmp_path / "only"
+    _complete(only, 2)
+    assert ckpt.unreadable(only / "step_0000002", "x").endswith("move it away to train afresh")
