@@ -7,66 +7,78 @@ import torch
 import torch.nn.functional as F
 
 from vqlcmd.diffusion import LossConfig, sample_drop_mask, training_losses
+from vqlcmd.diffusion.losses import drop_labels
 from vqlcmd.ema import EMA
-from vqlcmd.embedding import collapse_indicator
+from vqlcmd.embedding import TokenEmbedding, collapse_indicator
 from vqlcmd.model import preset_config
 from vqlcmd.network import VQLCMDNetwork
 from vqlcmd.schedule import ShiftedCosineSchedule
+
+K = 16
 
 
 def _setup(seed=0, **cfg_kw):
     torch.manual_seed(seed)
     net = VQLCMDNetwork(preset_config("tiny", attn_dropout=0.0), **cfg_kw)
+    with torch.no_grad():  # AdaLN starts at zero: perturb so that t and y reach the student's logits too
+        for p in net.denoiser.parameters():
+            p.add_(0.3 * torch.randn_like(p))
     teacher = copy.deepcopy(net)
-    with torch.no_grad():  # a teacher that differs from the student, as after some EMA steps
+    with torch.no_grad():
         for p in teacher.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    tokens = torch.randint(0, 16, (4, 16))
+    tokens = torch.randint(0, K, (4, 16))
     labels = torch.tensor([0, 1, 2, 3])
     return net, teacher, tokens, labels
 
 
-def test_terms_match_independent_transcription():
-    net, teacher, x, y = _setup()
-    sched = ShiftedCosineSchedule(-1.0)
-    cfg = LossConfig(p_drop=0.3, label_drop=0.5)
-    out = training_losses(net, teacher, sched, x, y, cfg, generator=torch.Generator().manual_seed(7),
-                          backend="reference")
+def _alpha_sigma(tt, shift):
+    lam = -2 * torch.log(torch.tan(math.pi * tt.clamp(1e-4, 1 - 1e-4) / 2)) + shift
+    return torch.sigmoid(lam).sqrt()[:, None, None], torch.sigmoid(-lam).sqrt()[:, None, None]
 
-    # Same draws, in the order the training step documents: t, s, drop mask, label drop, ε, ε0.
-    g = torch.Generator().manual_seed(7)
+
+def _transcribed_loss(net, teacher, x, y, seed, *, shift, p_drop, label_drop, beta_dm, beta_cm,
+                      l0_fraction=1.0, drop_in_l0=False):
+    """VQ-LCMD.md training step 1-6 with the draws in the documented order, differentiable in θ and E."""
+    g = torch.Generator().manual_seed(seed)
     B, M = x.shape
-    E, Ebar, K = net.embedding.weight, teacher.embedding.weight, 16
+    E, Ebar = net.embedding.weight, teacher.embedding.weight
     t = torch.rand(B, generator=g)
     s = t * torch.rand(B, generator=g)
-    drop = torch.rand(B, M, generator=g) < 0.3
-    y2 = torch.where(torch.rand(B, generator=g) < 0.5, torch.full_like(y, 4), y)
+    drop = torch.rand(B, M, generator=g) < p_drop
+    y2 = torch.where(torch.rand(B, generator=g) < label_drop, torch.full_like(y, 4), y)
+    B0 = math.ceil(l0_fraction * B)
     eps = torch.randn(B, M, E.shape[1], generator=g)
-    eps0 = torch.randn(B, M, E.shape[1], generator=g)
-
-    def a_s(tt):
-        lam = -2 * torch.log(torch.tan(math.pi * tt.clamp(1e-4, 1 - 1e-4) / 2)) - 1.0
-        return torch.sigmoid(lam).sqrt()[:, None, None], torch.sigmoid(-lam).sqrt()[:, None, None]
-
-    (at, st), (as_, ss), (a0, s0) = a_s(t), a_s(s), a_s(torch.zeros(B))
-    x_drop = torch.where(drop, torch.full_like(x, K), x)
-    z_t = at * E[x_drop] + st * eps
-    z_0 = a0 * E[x] + s0 * eps0
-    z_s = as_ * Ebar[x] + (ss / st) * (z_t - at * Ebar[x])
-    with torch.no_grad():
-        logits_t = net.denoiser(z_t, t, y2)
-        logits_0 = net.denoiser(z_0, torch.zeros(B), y2)
-        teacher_logits = teacher.denoiser(z_s, s, y2)
+    eps0 = torch.randn(B0, M, E.shape[1], generator=g)
+    (at, st), (as_, ss) = _alpha_sigma(t, shift), _alpha_sigma(s, shift)
+    a0, s0 = _alpha_sigma(torch.zeros(B0), shift)
+    z_t = at * E[torch.where(drop, torch.full_like(x, K), x)] + st * eps
+    x0 = torch.where(drop[:B0], torch.full_like(x[:B0], K), x[:B0]) if drop_in_l0 else x[:B0]
+    z_0 = a0 * E[x0] + s0 * eps0
+    logits_t = net.denoiser(z_t, t, y2)
+    logits_0 = net.denoiser(z_0, torch.zeros(B0), y2[:B0])
     psi = torch.softmax(logits_t, -1) @ E[:K]
     l_dm = ((E[x] - psi) ** 2).sum() / B
-    l0 = -torch.log_softmax(logits_0, -1).gather(-1, x[..., None]).sum() / B
-    p, logq = torch.softmax(teacher_logits, -1), torch.log_softmax(logits_t, -1)
-    l_cm = (p * (p.log() - logq)).sum() / B
+    l0 = -torch.log_softmax(logits_0, -1).gather(-1, x[:B0, :, None]).sum() / B0
+    with torch.no_grad():
+        z_s = as_ * Ebar[x] + (ss / st) * (z_t - at * Ebar[x])
+        p = torch.softmax(teacher.denoiser(z_s, s, y2), -1)
+    l_cm = (p * (p.log() - torch.log_softmax(logits_t, -1))).sum() / B
+    return l0 + beta_dm * l_dm + beta_cm * l_cm, l0, l_dm, l_cm
 
-    torch.testing.assert_close(out["l_dm"], l_dm.detach(), rtol=1e-4, atol=1e-5)
+
+def test_terms_match_independent_transcription():
+    net, teacher, x, y = _setup()
+    cfg = LossConfig(p_drop=0.3, label_drop=0.5)
+    out = training_losses(net, teacher, ShiftedCosineSchedule(-1.0), x, y, cfg,
+                          generator=torch.Generator().manual_seed(7), backend="reference")
+    with torch.no_grad():
+        loss, l0, l_dm, l_cm = _transcribed_loss(net, teacher, x, y, 7, shift=-1.0, p_drop=0.3, label_drop=0.5,
+                                                 beta_dm=0.005, beta_cm=1.0)
+    torch.testing.assert_close(out["l_dm"], l_dm, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out["l0"], l0, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out["l_cm"], l_cm, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(out["loss"].detach(), l0 + 0.005 * l_dm.detach() + l_cm, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out["loss"].detach(), loss, rtol=1e-4, atol=1e-5)
 
 
 def test_vlb_weight_is_minus_half_the_derivative_of_the_snr():
@@ -284,3 +296,159 @@ def test_beta_dm_under_the_vlb_weighting_is_warned_about_not_silently_dropped():
         warnings.simplefilter("error")
         LossConfig(weighting="vlb")  # the default β_DM: nothing to say
         LossConfig(beta_dm=0.5)  # lcmd uses it
+
+
+# ---- the gradient, L0's options, the rates and the config's bounds (gaps a mutation run found) ----
+
+def test_gradient_of_the_loss_matches_the_transcription():
+    """Step 7: gradients reach E through z_t, Ψ̂ and the L_DM target, and β_CM weighs L_CM. Compared as the
+    whole gradient of the documented loss in E and in one denoiser weight, with β's away from 1."""
+    net, teacher, x, y = _setup()
+    cfg = LossConfig(p_drop=0.3, label_drop=0.5, beta_dm=1.0, beta_cm=0.5)
+    out = training_losses(net, teacher, ShiftedCosineSchedule(-1.0), x, y, cfg,
+                          generator=torch.Generator().manual_seed(7), backend="reference")
+    w = net.denoiser.head.weight
+    g_E, g_w = torch.autograd.grad(out["loss"], [net.embedding.weight, w])
+    ref, *_ = _transcribed_loss(net, teacher, x, y, 7, shift=-1.0, p_drop=0.3, label_drop=0.5, beta_dm=1.0,
+                                beta_cm=0.5)
+    r_E, r_w = torch.autograd.grad(ref, [net.embedding.weight, w])
+    torch.testing.assert_close(out["loss"].detach(), ref.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(g_E, r_E, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(g_w, r_w, rtol=1e-3, atol=1e-5)
+
+
+def test_l0_with_dropping_and_an_uneven_fraction():
+    """drop_in_l0 decodes z_0 of the dropped x' of the same (first) images; B0 = ceil(l0_fraction * B)."""
+    net, teacher, x, y = _setup()
+    cfg = LossConfig(p_drop=0.5, label_drop=0.0, l0_fraction=0.3, drop_in_l0=True)
+    with torch.no_grad():
+        out = training_losses(net, teacher, ShiftedCosineSchedule(0.0), x, y, cfg,
+                              generator=torch.Generator().manual_seed(2), backend="reference")
+        _, l0, _, _ = _transcribed_loss(net, teacher, x, y, 2, shift=0.0, p_drop=0.5, label_drop=0.0,
+                                        beta_dm=0.005, beta_cm=1.0, l0_fraction=0.3, drop_in_l0=True)
+    torch.testing.assert_close(out["l0"], l0, rtol=1e-4, atol=1e-5)
+
+
+def test_vlb_reports_the_unweighted_l_dm():
+    """Returned l_dm is ‖E[x] − Ψ̂‖² summed over tokens and D, averaged over the batch, whatever the weighting."""
+    net, teacher, x, y = _setup()
+    cfg = LossConfig(p_drop=0.3, label_drop=0.5, weighting="vlb")
+    with torch.no_grad():
+        out = training_losses(net, teacher, ShiftedCosineSchedule(-1.0), x, y, cfg,
+                              generator=torch.Generator().manual_seed(7), backend="reference")
+        _, _, l_dm, _ = _transcribed_loss(net, teacher, x, y, 7, shift=-1.0, p_drop=0.3, label_drop=0.5,
+                                          beta_dm=0.005, beta_cm=1.0)
+    torch.testing.assert_close(out["l_dm"], l_dm, rtol=1e-4, atol=1e-5)
+
+
+def test_random_ratio_draws_a_uniform_ratio_per_image():
+    """"random_ratio": ratio ~ U(0,1) per image, so the per-image drop fractions spread like U(0,1)."""
+    g = torch.Generator().manual_seed(0)
+    mask = sample_drop_mask(LossConfig(drop_strategy="random_ratio"), torch.rand(2000, generator=g), 256, g)
+    frac = mask.float().mean(1)
+    assert abs(frac.std().item() - (1 / 12) ** 0.5) < 0.02  # 0.289; a fixed 0.5 ratio gives 0.031
+    for q in (0.1, 0.5, 0.9):
+        assert abs((frac < q).float().mean().item() - q) < 0.03
+
+
+def test_label_drop_rate_is_p_and_goes_to_the_null_class():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 10, (20000,), generator=g)
+    out = drop_labels(labels, 10, 0.1, g)
+    dropped = out != labels
+    assert abs(dropped.float().mean().item() - 0.1) < 0.01  # 7 binomial std
+    assert (out[dropped] == 10).all()
+
+
+def test_config_bounds_are_the_documented_ones():
+    LossConfig(p_drop=1.0, label_drop=1.0)  # [0, 1] both ends
+    mask = sample_drop_mask(LossConfig(p_drop=1.0), torch.rand(3), 8)
+    assert mask.all()
+    for name in ("beta_dm", "beta_cm"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+            LossConfig(**{name: -0.1})
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_float16_student_runs_the_teacher_in_float16():
+    """_teacher_autocast: a 16-bit student (bf16 or fp16) gets its fp32 teacher autocast to its dtype."""
+    net, teacher, x, y = _setup()
+    net = net.to(torch.float16)
+    seen = []
+    hook = teacher.denoiser.head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with torch.no_grad():
+        training_losses(net, teacher, ShiftedCosineSchedule(), x, y, LossConfig(drop_strategy="none", label_drop=0.0),
+                        generator=torch.Generator().manual_seed(1))
+    hook.remove()
+    assert seen == [torch.float16]
+
+
+# ---- EMA (VQ-LCMD.md step 8) ----
+
+def test_ema_decay_zero_copies_the_source():
+    src = torch.nn.Linear(3, 2)
+    ema = EMA(src, decay=0.0)
+    with torch.no_grad():
+        src.weight.add_(1.0)
+    ema.update(src)
+    torch.testing.assert_close(ema.module.weight, src.weight, rtol=0, atol=0)
+
+
+def test_ema_shadow_is_a_fixed_target_without_dropout():
+    """The teacher's prediction is the student's target: the shadow runs in eval mode and needs no gradient,
+    even when the source trains with dropout."""
+    src = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
+    ema = EMA(src, decay=0.9)
+    assert not ema.module.training
+    assert not any(p.requires_grad for p in ema.module.parameters())
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(ema.module(x), ema.module(x), rtol=0, atol=0)
+    torch.testing.assert_close(ema.module(x), ema.module[0](x), rtol=0, atol=0)
+
+
+def test_ema_copies_persistent_buffers():
+    src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).train()
+    ema = EMA(src, decay=0.9)
+    src(torch.randn(16, 3) + 5.0)  # moves the running statistics
+    ema.update(src)
+    torch.testing.assert_close(ema.module[1].running_mean, src[1].running_mean, rtol=0, atol=0)
+    assert ema.module[1].num_batches_tracked.item() == 1
+
+
+def test_ema_state_dict_round_trip_keeps_the_decay():
+    src = torch.nn.Linear(3, 2)
+    a = EMA(src, decay=0.9)
+    with torch.no_grad():
+        src.weight.add_(1.0)
+    a.update(src)
+    b = EMA(torch.nn.Linear(3, 2), decay=0.5)
+    b.load_state_dict(a.state_dict())
+    assert b.decay == 0.9
+    torch.testing.assert_close(b.module.weight, a.module.weight, rtol=0, atol=0)
+
+
+# ---- Embeddings (VQ-LCMD.md "Notation") ----
+
+def test_embedding_init_variance_and_layout():
+    """Init N(0, D^{-1/2}) for all K+1 rows; row K is [mask]; an init table fills rows 0..K-1 only."""
+    torch.manual_seed(0)
+    emb = TokenEmbedding(1023, 256)
+    assert emb.weight.shape == (1024, 256) and emb.mask_index == 1023
+    assert abs(emb.weight.var().item() / 256 ** -0.5 - 1) < 0.02
+    init = torch.arange(12.0).reshape(4, 3)
+    emb = TokenEmbedding(4, 3, init=init, frozen=True)
+    torch.testing.assert_close(emb.weight[:4], init, rtol=0, atol=0)
+    assert not torch.equal(emb.weight[4], init[0])
+    for bad in (torch.zeros(1, 3), torch.zeros(5, 3)):
+        with pytest.raises(ValueError, match="init must be"):
+            TokenEmbedding(4, 3, init=bad)
+
+
+def test_collapse_indicator_known_value():
+    """Mean distance over the n(n-1) ordered pairs of distinct rows over the mean row norm, in float64."""
+    e = torch.tensor([[2.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    d = [math.dist(a, b) for i, a in enumerate(e.tolist()) for j, b in enumerate(e.tolist()) if i != j]
+    expected = (sum(d) / len(d)) / ((2.0 + 1.0 + 1.0) / 3)
+    assert collapse_indicator(e) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="two rows"):
+        collapse_indicator(torch.ones(1, 4))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vqlcmd.model import DenoiserConfig, build_denoiser
-from vqlcmd.samplers import ancestral_step, ddim_step, sample_latents, sample_tokens
+from vqlcmd.samplers import ancestral_step, class_label_tensor, ddim_step, sample_latents, sample_tokens
 from vqlcmd.schedule import ShiftedCosineSchedule
 
 
@@ -185,7 +185,91 @@ def test_sampler_arguments_are_checked_as_the_pipeline_checks_them():
         sample_tokens(den, table, sched, class_labels=[0], num_steps=2, seq_len=0)
     with pytest.raises(TypeError, match="num_steps must be an integer, got 2.5"):
         sample_tokens(den, table, sched, class_labels=[0], num_steps=2.5)
+    with pytest.raises(TypeError, match="num_samples must be an integer, got 2.5"):
+        sample_tokens(den, table, sched, num_samples=2.5, num_steps=1)
+    # both given and disagreeing: it returned one image per label, silently
+    with pytest.raises(ValueError, match="num_samples=5 but 2 class_labels were given"):
+        sample_tokens(den, table, sched, class_labels=[0, 1], num_samples=5, num_steps=1)
+    assert sample_tokens(den, table, sched, class_labels=[0, 1], num_samples=2, num_steps=1).shape == (2, 16)
     # a compiled denoiser does not range-check labels (a host sync): the sampler does
     with pytest.raises(ValueError, match=r"class_labels must be in \[0, 4\] \(4 = the null class\), got \[5\]"):
         sample_tokens(den, table, sched, class_labels=[5], num_steps=2)
     assert sample_tokens(den, table, sched, class_labels=[4], num_steps=1).shape == (1, 16)  # the null class
+
+
+# ---- the final draw, per-sample generators, labels (gaps a mutation run found), with stub denoisers ----
+
+class FixedLogits(torch.nn.Module):
+    """Logits (M, K) or (B, M, K) whatever z; records the labels it was called with."""
+
+    def __init__(self, logits, num_classes=0):
+        super().__init__()
+        M, K = logits.shape[-2:]
+        self.cfg = DenoiserConfig(codebook_size=K, embed_dim=4, seq_len=M, num_classes=num_classes)
+        self.register_buffer("logits", logits.float())
+        self.seen_y = []
+
+    def forward(self, z, t, y=None):
+        self.seen_y.append(None if y is None else y.clone())
+        lg = self.logits if self.logits.dim() == 3 else self.logits.expand(1, *self.logits.shape)
+        return lg.repeat(z.shape[0] // lg.shape[0], 1, 1)
+
+
+def test_final_sample_draws_from_p_and_argmax_takes_its_mode():
+    """final="sample": x ~ P(x | z_0; 0) (frequencies match softmax(logits)); final="argmax": its mode."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    den = FixedLogits(probs.log().expand(64, 4).clone())
+    table = torch.randn(5, 4)
+    x = sample_tokens(den, table, ShiftedCosineSchedule(), num_samples=64, num_steps=1,
+                      generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(x.reshape(-1), minlength=4).float() / x.numel()
+    torch.testing.assert_close(freq, probs, atol=0.02, rtol=0)  # 4096 draws: 3 std ≈ 0.023 at 0.4
+    am = sample_tokens(den, table, ShiftedCosineSchedule(), num_samples=2, num_steps=1, final="argmax")
+    assert (am == 3).all()
+
+
+def test_per_sample_generators_draw_each_row_from_its_own_generator():
+    """Row i's noise and final draw come from generator i alone: a batch gives the rows single runs give."""
+    K, M = 8, 6
+    tokens = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 6, 5, 4, 3, 2]])
+    den = FixedLogits(torch.log_softmax(torch.randn(2, M, K, generator=torch.Generator().manual_seed(3)), -1))
+    solo = FixedLogits(den.logits.clone())
+    table = torch.randn(K + 1, 4)
+    sched = ShiftedCosineSchedule()
+    gens = lambda seeds: [torch.Generator().manual_seed(s) for s in seeds]
+    z_b, _ = sample_latents(den, table, sched, num_samples=2, num_steps=3, generator=gens([5, 6]))
+    for i, seed in enumerate([5, 6]):
+        solo.logits = den.logits[i:i + 1]
+        z_i, _ = sample_latents(solo, table, sched, num_samples=1, num_steps=3, generator=gens([seed]))
+        torch.testing.assert_close(z_b[i:i + 1], z_i, rtol=0, atol=0)
+    # the final draw: row i from row i's own (peaked) distribution
+    peaked = FixedLogits(30.0 * torch.nn.functional.one_hot(tokens, K).float())
+    out = sample_tokens(peaked, table, sched, num_samples=2, num_steps=1, generator=gens([1, 2]))
+    assert torch.equal(out, tokens)
+
+
+def test_conditional_model_without_labels_samples_the_null_class():
+    den = FixedLogits(torch.zeros(4, 5), num_classes=3)
+    sample_latents(den, torch.randn(6, 4), ShiftedCosineSchedule(), num_samples=2, num_steps=1)
+    assert all(torch.equal(y, torch.full((2,), 3)) for y in den.seen_y)
+    with pytest.raises(ValueError, match="guidance_scale > 0 needs"):
+        sample_latents(den, torch.randn(6, 4), ShiftedCosineSchedule(), num_samples=2, num_steps=1,
+                       guidance_scale=1.0)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(class_labels=[-1]), r"class_labels must be in \[0, 3\]"),
+    (dict(class_labels=[0], num_steps=0), "num_steps must be >= 1"),
+    (dict(num_samples=-1), "num_samples must be >= 0"),
+])
+def test_bad_sampler_arguments_are_refused(kw, match):
+    den = FixedLogits(torch.zeros(4, 5), num_classes=3)
+    with pytest.raises(ValueError, match=match):
+        sample_latents(den, torch.randn(6, 4), ShiftedCosineSchedule(), **{"num_steps": 1, **kw})
+
+
+def test_class_label_tensor_checks_the_count():
+    assert torch.equal(class_label_tensor([1.0, 2.0], 2), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="num_images=3 but 2 class_labels"):
+        class_label_tensor([1, 2], 3)
+

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from vqlcmd.engine.config import ScheduleSection
 from vqlcmd.schedule import ShiftedCosineSchedule
 
 
@@ -64,6 +65,22 @@ def test_posterior_coefficients_match_closed_form_in_float64():
     torch.testing.assert_close(var.double(), s2_ts * ss2 / st2, rtol=1e-4, atol=1e-7)
 
 
-def test_bad_t_min_rejected():
+def test_derivative_is_clamped_like_log_snr():
+    """dλ/dt at t = 0 and 1 is the derivative at the clamped t (the vlb weight multiplies it with SNR(t_min)):
+    finite, and -2π / sin(π t_min) in float64."""
+    sched = ShiftedCosineSchedule(0.0, t_min=1e-4)
+    got = sched.dlog_snr_dt(torch.tensor([0.0, 1.0])).double()
+    expected = -2 * math.pi / math.sin(math.pi * 1e-4)
+    torch.testing.assert_close(got, torch.full((2,), expected, dtype=torch.float64), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("t_min", [0.0, 0.5, 0.7, -1e-4])
+def test_t_min_outside_the_open_interval_is_refused(t_min):
     with pytest.raises(ValueError, match="t_min"):
-        ShiftedCosineSchedule(0.0, t_min=0.0)
+        ShiftedCosineSchedule(0.0, t_min=t_min)
+
+
+def test_defaults_are_the_configs():
+    """A schedule built in code means what an unconfigured training run means (config.schedule defaults)."""
+    sched, cfg = ShiftedCosineSchedule(), ScheduleSection()
+    assert (sched.shift, sched.t_min) == (cfg.shift, cfg.t_min) == (0.0, 1e-4)

@@ -117,10 +117,17 @@ def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: 
     """(labels (B,) or None, B) for a sampler: conditional models take ``class_labels``, unconditional ones
     ``num_samples``; a conditional model without labels samples the null class. Guidance needs labels."""
     checked_guidance(guidance_scale)
+    if num_samples is not None:
+        num_samples = _count("num_samples", num_samples)
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     if class_labels is not None:
         if num_classes == 0:
             raise ValueError("class_labels given to an unconditional model")
         y = class_label_tensor(class_labels, None)  # a list, or floats that are integers
+        if num_samples is not None and num_samples != y.numel():  # (returned B images, silently)
+            raise ValueError(f"num_samples={num_samples} but {y.numel()} class_labels were given (one sample per "
+                             "label; give either)")
         # here, since a compiled denoiser does not check (a host sync): num_classes is the null class
         if y.numel() and (y.min() < 0 or y.max() > num_classes):
             raise ValueError(f"class_labels must be in [0, {num_classes}] ({num_classes} = the null class), "
@@ -130,8 +137,6 @@ def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: 
     else:
         if num_samples is None:
             raise ValueError("give class_labels (conditional) or num_samples (unconditional)")
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         B = num_samples
         y = None if num_classes == 0 else torch.full((B,), num_classes, device=device, dtype=torch.long)
     if guidance_scale > 0 and (class_labels is None or num_classes == 0):
