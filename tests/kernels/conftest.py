@@ -7,3 +7,11 @@ import torch
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def sea():
+    """kernels/softmax_embedding_average.py, imported inside the test (after TRITON_INTERPRET is set)."""
+    from vqlcmd.kernels import softmax_embedding_average
+
+    return softmax_embedding_average

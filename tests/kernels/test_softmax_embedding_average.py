@@ -51,13 +51,6 @@ def triton_average(logits, table):
 
 
 @pytest.fixture
-def sea():
-    from vqlcmd.kernels import softmax_embedding_average
-
-    return softmax_embedding_average
-
-
-@pytest.fixture
 def launched(sea, monkeypatch):
     """Names of the kernels launched through the module's launcher, in order."""
     names = []

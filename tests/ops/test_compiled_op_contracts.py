@@ -146,3 +146,23 @@ def test_fake_implementations_match_the_kernels_for_bf16_and_strided_inputs(gen)
     _fake_matches_real(torch.ops.vqlcmd.short_attention.default, q, q, q)
     x = torch.randn(6, 10, generator=gen).t()  # strided: the kernel returns a contiguous tensor
     _fake_matches_real(torch.ops.vqlcmd.gelu_tanh.default, x)
+
+
+@pytest.mark.parametrize("emit", [False, True], ids=["recompute", "emit-grad"])
+def test_kl_second_derivative_is_refused_in_both_modes(emit, monkeypatch):
+    """With VQLCMD_KL_EMIT_GRAD=1 the backward scales the emitted gradient, a constant to autograd: a second
+    derivative came out silently wrong (d2KL/dstudent2 dropped) where recompute mode raises. Emit mode refuses
+    any create_graph=True backward (it keeps no student to raise from later)."""
+    monkeypatch.setattr(_compiled, "EMIT_KL_GRAD", emit)
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(2, 8, generator=g)
+    student = torch.randn(2, 8, generator=g, requires_grad=True)
+    with pytest.raises(RuntimeError, match="vqlcmd::categorical_kl: the compiled backend has no second derivative"):
+        kl = ops.categorical_kl(teacher, student, backend="compiled")
+        (grad,) = torch.autograd.grad(kl.square().sum(), student, create_graph=True)
+        torch.autograd.grad((grad * torch.arange(8.0)).sum(), student)
+    # first order is the same in both modes
+    kl = ops.categorical_kl(teacher, student, backend="compiled")
+    (grad,) = torch.autograd.grad(kl.square().sum(), student)
+    (ref,) = torch.autograd.grad(ops.categorical_kl(teacher, student, backend="reference").square().sum(), student)
+    torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)

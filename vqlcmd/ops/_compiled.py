@@ -200,6 +200,13 @@ def _kl_setup_context(ctx, inputs, output):
 def _kl_backward(ctx, grad_kl, _grad_of_grad):
     grad, teacher, student = ctx.saved_tensors
     if ctx.emit_grad:  # forward wrote q - p already: the chain rule is a per-row scale
+        if torch.is_grad_enabled():
+            # create_graph=True: the emitted gradient is a constant to autograd, so a second derivative
+            # would drop d2KL/dstudent2 silently. The student is not saved in this mode (that is its
+            # point), so no node could raise later, when it is differentiated: refuse here.
+            raise RuntimeError("vqlcmd::categorical_kl: the compiled backend has no second derivative (a "
+                               "gradient of its gradient, create_graph=True; with VQLCMD_KL_EMIT_GRAD=1 any "
+                               "create_graph=True backward); use backend='reference' for double backward")
         grad_student = (grad.float() * grad_kl.float()[..., None]).to(grad.dtype)
     else:
         grad_student = torch.ops.vqlcmd.categorical_kl_backward(grad_kl, teacher, student)
