@@ -25,8 +25,14 @@ def tiny_pipeline(tmp_path_factory):
     tok = _tiny_tokenizer(root / "tokenizer")
     torch.manual_seed(1)
     net = VQLCMDNetwork(preset_config("tiny"))
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # sharper logits than the init gives, so samples depend on the class and on z
         net.denoiser.head.weight.mul_(20)
+        # AdaLN's maps start at zero, and they are the only way t and y reach the logits: without this every
+        # label and guidance assertion on this pipeline was blind (test_pipeline_contract.py checks it is not)
+        for m in net.modules():
+            if hasattr(m, "to_ab"):
+                m.to_ab.weight.normal_(0, 0.5, generator=gen)
     ref = {"path": str(root / "tokenizer"), "grid": [4, 4], "identifier": tok.identifier}
     return VQLCMDPipeline(net, ShiftedCosineSchedule(), tokenizer=tok, tokenizer_ref=ref, class_names=list("abcd"),
                           sample_defaults={"num_steps": 4, "guidance_scale": 1.0, "sampler": "ancestral",
