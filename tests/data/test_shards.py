@@ -260,26 +260,28 @@ def test_an_unfinished_flipped_set_is_refused(tmp_path):
         TokenShardDataset(tmp_path)
 
 
+class _IndexTokenizer:  # token = the sample's index: the shards say which samples they hold
+    identifier, codebook_size, grid = "index-tokenizer", 100, (1, 1)
+
+    def encode(self, images):
+        return images.reshape(len(images), -1)[:, :1].long()
+
+
+def _batches(start, stop):
+    yield torch.arange(start, stop, dtype=torch.float32)[:, None, None, None], torch.zeros(stop - start,
+                                                                                            dtype=torch.long)
+
+
 def test_a_rerun_with_another_shard_size_redoes_every_shard(tmp_path):
     """A shard records no range: after 4,4,2 a rerun at 2 kept the old last shard (samples 8, 9, two of
     them) as its shard 2 (samples 4, 5), losing two samples and duplicating two, every check passing."""
     from vqlcmd.data import TokenShardDataset
     from vqlcmd.data.writer import write_token_shards
 
-    class IndexTokenizer:  # token = the sample's index: the shards say which samples they hold
-        identifier, codebook_size, grid = "index-tokenizer", 100, (1, 1)
-
-        def encode(self, images):
-            return images.reshape(len(images), -1)[:, :1].long()
-
-    def batches(start, stop):
-        yield torch.arange(start, stop, dtype=torch.float32)[:, None, None, None], torch.zeros(stop - start,
-                                                                                                dtype=torch.long)
-
     header = {"num_classes": 1, "class_names": ["x"]}
     logs = []
     for size in (4, 2):
-        write_token_shards(tmp_path, IndexTokenizer(), 10, batches, header, shard_size=size, progress=False,
+        write_token_shards(tmp_path, _IndexTokenizer(), 10, _batches, header, shard_size=size, progress=False,
                            log=logs.append)
     tokens, _ = TokenShardDataset(tmp_path).gather(np.arange(10))
     assert tokens.reshape(-1).tolist() == list(range(10))
@@ -358,18 +360,6 @@ def test_every_index_of_a_multi_shard_set_reads_its_own_sample(tmp_path):
             ds[bad]
     bt, by = ds.gather(np.arange(n))
     assert torch.equal(bt, torch.from_numpy(toks.astype(np.int64))) and by.tolist() == labs.tolist()
-
-
-class _IndexTokenizer:  # token = the sample's index: the shards say which samples they hold
-    identifier, codebook_size, grid = "index-tokenizer", 100, (1, 1)
-
-    def encode(self, images):
-        return images.reshape(len(images), -1)[:, :1].long()
-
-
-def _batches(start, stop):
-    yield torch.arange(start, stop, dtype=torch.float32)[:, None, None, None], torch.zeros(stop - start,
-                                                                                            dtype=torch.long)
 
 
 def test_a_rerun_with_more_samples_redoes_the_short_last_shard(tmp_path):
