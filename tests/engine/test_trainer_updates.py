@@ -1,8 +1,6 @@
 """Training engine on CPU (one rank), the parts the resume-equivalence tests cannot see: gradient accumulation,
 the EMA updates against their formula, the loss's plumbing (config weights, EMA teacher), the seed's data order,
 gradient clipping, the EMAs across a resume."""
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -14,13 +12,12 @@ from vqlcmd.engine.trainer import Trainer
 
 
 def _trainer(tmp_path, shards, make_config, ds_edit=None, vqlcmd_edit=None, **train):
-    path = make_config(tmp_path, shards, **train)
-    raw = json.loads(path.read_text())
-    raw.update(ds_edit or {})
-    for section, values in (vqlcmd_edit or {}).items():
-        raw["vqlcmd"][section] = {**raw["vqlcmd"].get(section, {}), **values}
-    path.write_text(json.dumps(raw))
-    ds, cfg = load_config(str(path))
+    def edit(section):  # merged into the file's sections, as --set does
+        for name, values in (vqlcmd_edit or {}).items():
+            section[name] = {**section.get(name, {}), **values}
+
+    ds, cfg = load_config(str(make_config(tmp_path, shards, **train)), edit=edit,
+                          edit_deepspeed=lambda raw: raw.update(ds_edit or {}))
     return Trainer(ds, cfg, log=lambda *a, **k: None)
 
 

@@ -12,6 +12,7 @@ actually took. The chunked variant's chunks are 128 rows under the interpreter.
 """
 import pytest
 import torch
+from kernel_inputs import make
 
 from vqlcmd import ops
 from vqlcmd.ops import reference
@@ -29,13 +30,6 @@ def assert_close(actual, expected, dtype):
     assert actual.dtype == expected.dtype
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol * max(scale, 1e-6))
-
-
-def make(lead, K, D, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    logits = (3 * torch.randn(*lead, K, generator=g)).to(device, dtype)  # peaked, as trained logits are
-    table = torch.randn(K, D, generator=g).to(device, dtype)
-    return logits, table
 
 
 def grads(fn, logits, table, upstream):
@@ -170,7 +164,7 @@ def test_fixed_max_forward_matches_reference(lead, K, D, dtype, forward, device,
         assert launched == ["forward_fixed_max", *backward_kernels(sea, "split", N, D, None), "forward_fixed_max"]
 
 
-@pytest.mark.parametrize("spread", [39.0, 41.0, 1e4])
+@pytest.mark.parametrize("spread", [39.0, 41.0, 60.0, 95.0, 1e4])  # 95: e^95 is past float32
 def test_first_tile_forward_sweeps_again_where_logits_spread_beyond_its_reference(spread, device, sea):
     # one row's max lies `spread` above its first K tile's: up to max_gap (40) the first sweep stands,
     # beyond it that program sweeps again from the true maxima; both must match the reference

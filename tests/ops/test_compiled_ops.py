@@ -591,6 +591,40 @@ def test_ada_layer_norm_matches_float64(shape, dtype, gen):
                                   grad_scales=(8.0, 8.0 * M, 8.0 * M))
 
 
+@pytest.mark.parametrize("eps", [1e-5, 1e-3, 0.5])
+def test_ada_layer_norm_uses_its_eps_argument(eps, gen):
+    """Rows whose variance (~1e-4) is comparable to eps: y = (1 + a)(h - mean) / sqrt(var + eps) + b depends on
+    eps and on where it enters, so the kernel must take the eps it is given (every other test used 1e-5)."""
+    B, M, W = 2, 6, 40  # W = 40: five vectors of 8, no scalar tail
+    h = 3 + 1e-2 * torch.randn(B, M, W, generator=gen)
+    scale, shift = 0.5 * torch.randn(B, W, generator=gen), torch.randn(B, W, generator=gen)
+    upstream = torch.randn(B, M, W, generator=gen)
+    y64, g64 = _ada_float64(h, scale, shift, upstream, eps)
+    inputs = [x.clone().requires_grad_() for x in (h, scale, shift)]
+    y = ops.ada_layer_norm(*inputs, eps=eps, backend="compiled")
+    grads = torch.autograd.grad(y, inputs, upstream)
+    torch.testing.assert_close(y.double(), y64, atol=1e-4, rtol=1e-4)
+    for g, r in zip(grads, g64):
+        torch.testing.assert_close(g.double(), r, atol=1e-3 * r.abs().max().item(), rtol=1e-4)
+
+
+def test_ada_layer_norm_float32_modulation_gets_float32_gradients(gen):
+    """A bf16 h with float32 (scale, shift), as under autocast with a float32 conditioning path: the kernel sums
+    d scale = sum dy * n and d shift = sum dy in float32 (DESIGN.md: float32 accumulation) and hands them to the
+    float32 parameters unrounded; a detour through h's bf16 costs ~3 significant digits."""
+    B, M, W = 2, 16, 24
+    h = torch.randn(B, M, W, generator=gen).bfloat16()
+    scale, shift = 0.3 * torch.randn(B, W, generator=gen), torch.randn(B, W, generator=gen)
+    upstream = torch.randn(B, M, W, generator=gen).bfloat16()
+    _, (_, da64, db64) = _ada_float64(h, scale, shift, upstream)
+    inputs = [h, scale.clone().requires_grad_(), shift.clone().requires_grad_()]
+    y = ops.ada_layer_norm(*inputs, backend="compiled")
+    da, db = torch.autograd.grad(y, inputs[1:], upstream)
+    assert da.dtype == db.dtype == torch.float32
+    torch.testing.assert_close(db.double(), db64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(da.double(), da64, atol=1e-4, rtol=1e-4)
+
+
 def test_ada_layer_norm_statistics_of_zero_width_rows_are_pytorchs():
     # they were returned unwritten (heap garbage); PyTorch's native_layer_norm gives mean 0, rstd NaN
     h = torch.randn(2, 3, 0)
