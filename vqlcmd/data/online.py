@@ -1,20 +1,24 @@
-"""Online mode: images -> pipeline -> frozen tokenizer on the training device -> token batches.
+"""Online mode: images -> pipeline -> random flip -> frozen tokenizer on the training device -> token batches.
 
-For users who want a fresh random flip every epoch, or have no disk for shards. Same contract as
-``ShardLoader`` (``(tokens (B, M) int64, labels (B,) int64)``, rank sharding, a deterministic order
-per (seed, epoch), ``state_dict`` / ``load_state_dict``, ``epoch``), so a training loop of one's own
-can take either. ``scripts/train.py``'s engine reads token shards only: its config has no key for an
-image tree.
+For users who want a fresh random flip every epoch, or have no disk for shards; ``scripts/train.py`` takes
+it with ``vqlcmd.data.source: "images"``. Same contract as ``ShardLoader`` (``(tokens (B, M) int64,
+labels (B,) int64)``, rank sharding, a deterministic order per (seed, epoch), ``state_dict`` /
+``load_state_dict``, ``epoch``), so a training loop can take either.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from .images import ImageList, image_batches, list_images
+from .images import ImageList, image_batches, list_images, unreadable_reason
 from .loader import ShardLoader
+
+_FLIP_STREAM = 0x666C6970  # ("flip"): the coins' seed sequence, apart from the permutation's PCG64([seed, epoch])
+# batches the DALI pipeline decodes ahead of the one it returns: a file failing there may surface a little early
+_PREFETCH = 2
 
 
 class _Count:
@@ -26,6 +30,16 @@ class _Count:
 
 
 class OnlineTokenLoader:
+    """``flip=True``: each sample's coin is drawn from (seed, epoch, sample index), not from the decoder's
+    stream, so it is the same on every rank and in a run resumed mid-epoch as in one that was not (resumes
+    are exact, flips included), and fresh each epoch. ``flip_coins(epoch)`` gives them.
+
+    A file that passed ``list_images``' check but fails to decode (pixel data cut short: only the header was
+    read) is found by name, warned about, left out of its batch (which is then smaller) and of every later
+    epoch; ``skipped`` lists it beside the files the listing skipped. Training goes on: the same file fails
+    at the same place on a resume, so the batches stay those of an uninterrupted run.
+    """
+
     def __init__(self, images, tokenizer, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
                  flip: bool = True, size: int | None = None, backend: str = "auto", device=None,
                  drop_last: bool = True, num_threads: int = 2):
@@ -38,37 +52,99 @@ class OnlineTokenLoader:
         self._order = ShardLoader(_Count(len(self.images)), batch_size, rank=rank, world_size=world_size, seed=seed,
                                   drop_last=drop_last)
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
+        self.bad: dict[str, str] = {}  # files that failed to decode: reason
+        # a TokenShardDataset's header keys, so that without flips the data identity equals that of the shards
+        # scripts/tokenize.py writes from the same tree ("flipped": holds flipped copies; random flips are not)
         self.header = {"codebook_size": tokenizer.codebook_size, "grid": list(tokenizer.grid),
                        "tokenizer_id": tokenizer.identifier, "num_classes": self.images.num_classes,
                        "class_names": list(self.images.class_names), "num_samples": len(self.images),
-                       "seq_len": tokenizer.num_tokens, "flipped": flip, "image_size": [self.size, self.size],
-                       "channels": tokenizer.channels, "source": str(self.images.root)}
+                       "seq_len": tokenizer.num_tokens, "flipped": False, "image_size": [self.size, self.size],
+                       "channels": tokenizer.channels, "source": str(self.images.root),
+                       "files_sha256": self.images.digest()}
+        if flip:
+            self.header["random_flip"] = True
 
     @property
     def epoch(self) -> int:
         return self._order.epoch
 
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        """(file, reason) of every file left out: by the listing, and since, at decoding."""
+        return list(self.images.skipped) + list(self.bad.items())
+
     def __len__(self) -> int:
         return len(self._order)
 
+    def flip_coins(self, epoch: int) -> np.ndarray:
+        """bool per sample index of the tree's list: whether that sample is mirrored in ``epoch``."""
+        n = len(self.images)
+        if not self.flip:
+            return np.zeros(n, bool)
+        return np.random.Generator(np.random.PCG64([self.seed, epoch, _FLIP_STREAM])).random(n) < 0.5
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self._order
-        nb, bs = len(order), self.batch_size
-        idx = order.epoch_indices(order.epoch)[order.position * bs: nb * bs]
-        subset = ImageList(self.images.root, [self.images.files[i] for i in idx],
-                           [self.images.labels[i] for i in idx], self.images.class_names)
-        # flips differ per epoch and rank, and resuming mid-epoch draws the rest afresh (the flip of a
-        # sample is augmentation, not part of the exact-resume promise, which covers the samples)
-        flip_seed = int(np.random.SeedSequence([self.seed, order.epoch, self.rank, order.position]).generate_state(1)[0])
-        batches = image_batches(subset, self.size, bs, flip="random" if self.flip else "none", seed=flip_seed,
-                                backend=self.backend, channels=self.tokenizer.channels, device=self.device,
-                                num_threads=self.num_threads)
-        for images, labels in batches:
-            order.position += 1
-            tokens = self.tokenizer.encode(images).reshape(len(images), -1)
-            yield tokens, labels.to(tokens.device)
+        idx = order.epoch_indices(order.epoch)
+        coins = torch.from_numpy(self.flip_coins(order.epoch))
+        while order.position < len(order):
+            # decodes from the current position; returns when a file failed (now in self.bad), to go on from there
+            yield from self._decode_from(idx, coins)
         order.epoch += 1
         order.position = 0
+
+    def _decode_from(self, idx: np.ndarray, coins: torch.Tensor):
+        order, bs = self._order, self.batch_size
+        start, nb = order.position, len(order)
+        rows = idx[start * bs: nb * bs]
+        files = [self.images.files[i] for i in rows]
+        keep = torch.tensor([f not in self.bad for f in files])
+        # a known-bad file's place is taken by a readable one, so the decoder's batches stay the loader's
+        stand_in = next(f for f in self.images.files if f not in self.bad)
+        subset = ImageList(self.images.root, [f if k else stand_in for f, k in zip(files, keep.tolist())],
+                           [self.images.labels[i] for i in rows], self.images.class_names)
+        batches = image_batches(subset, self.size, bs, flip="none", backend=self.backend,
+                                channels=self.tokenizer.channels, device=self.device, num_threads=self.num_threads)
+        b = 0
+        while True:
+            try:
+                images, labels = next(batches)
+            except StopIteration:
+                return
+            except (RuntimeError, OSError) as exc:  # DALI's error / PIL's, naming a file of this batch or the next
+                if not self._find_bad(files[b * bs:(b + 1 + _PREFETCH) * bs]):
+                    raise  # no file is at fault (device memory, say): the pipeline's own error
+                return
+            sel = keep[b * bs: b * bs + len(images)]
+            flip = coins[torch.from_numpy(rows[b * bs: b * bs + len(images)])] & sel
+            b += 1
+            order.position += 1
+            if not sel.any():
+                continue  # every image of the batch unreadable: the next batch, on every resume alike
+            if flip.any():
+                f = flip.to(images.device)
+                images = torch.where(f[:, None, None, None], images.flip(-1), images)
+            if not sel.all():
+                s = sel.to(images.device)
+                images, labels = images[s], labels[s.to(labels.device)]
+            tokens = self.tokenizer.encode(images).reshape(len(images), -1)
+            yield tokens, labels.to(tokens.device)
+
+    def _find_bad(self, files: list[str]) -> bool:
+        """Decodes ``files`` (PIL) to find those that fail; records and names them. Whether any was found."""
+        found = {}
+        for f in dict.fromkeys(files):
+            if f not in self.bad and (reason := unreadable_reason(f, decode=True)) is not None:
+                found[f] = reason
+        if not found:
+            return False
+        self.bad.update(found)
+        if len(self.bad) == len(set(self.images.files)):
+            raise RuntimeError(f"no image under {self.images.root} decodes (the last: {next(iter(found))})")
+        warnings.warn(f"skipping {len(found)} image(s) that fail to decode: "
+                      + "; ".join(f"{f} ({r})" for f, r in found.items())
+                      + f" ({len(self.skipped)} skipped in all)", stacklevel=3)
+        return True
 
     def forever(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
