@@ -23,6 +23,7 @@ from ..ops import BACKENDS
 from ..samplers import FINALS, SAMPLERS
 
 OP_BACKENDS = ("auto", *BACKENDS)
+DATA_SOURCES = ("shards", "images")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -79,10 +80,32 @@ class DataSection:
     dataset: Optional[str] = None
     tokenizer_steps: int = 1000  # "digits" only: training steps of the small tokenizer (cached per value)
     shards: Optional[str] = None  # folder of token shards (relative paths: to the repository root)
-    tokenizer: Optional[str] = None  # folder of the VQ tokenizer (for decoding sample grids)
+    tokenizer: Optional[str] = None  # folder of the VQ tokenizer (for decoding sample grids; source "images": encoding)
+    # "shards" (pre-tokenized by scripts/tokenize.py) or "images": the tree is decoded and encoded every epoch
+    source: str = "shards"
+    images: Optional[str] = None  # "images": the image tree (one folder per class, or flat), as tokenize.py --images
+    flip: bool = False  # "images": a random horizontal flip per sample and epoch
+    image_backend: str = "auto"  # "images": "dali" (the GPU decoder on CUDA), "pil", "auto" (DALI when installed)
+    check_images: str = "header"  # "images": files checked before training ("none", "header", "decode")
+    decode_threads: int = 2  # "images": decoding threads per rank
 
     def __post_init__(self):
-        _require(self, (("tokenizer_steps", lambda v: v >= 1, "a positive integer"),))
+        _require(self, (("tokenizer_steps", lambda v: v >= 1, "a positive integer"),
+                        ("source", lambda v: v in DATA_SOURCES, f"one of {', '.join(DATA_SOURCES)}"),
+                        ("image_backend", lambda v: v in ("auto", "dali", "pil"), "'auto', 'dali' or 'pil'"),
+                        ("check_images", lambda v: v in ("none", "header", "decode"), "'none', 'header' or 'decode'"),
+                        ("decode_threads", lambda v: v >= 1, "a positive integer")))
+        if self.source == "images":
+            if self.images is None or self.tokenizer is None:
+                raise ValueError("source 'images' needs images (the image tree) and tokenizer (the VQ tokenizer's "
+                                 "folder, which encodes them)")
+            if self.dataset is not None or self.shards is not None:
+                key = "dataset" if self.dataset is not None else "shards"
+                raise ValueError(f"source 'images' reads images, not {key}: remove that key (--set data.{key}=null), "
+                                 "or set source 'shards'")
+        elif self.images is not None or self.flip:  # read by source "images" only: it would be ignored silently
+            raise ValueError(f"{'images' if self.images is not None else 'flip'} is read with source 'images' only "
+                             "(this run reads token shards; tokenize flipped copies with scripts/tokenize.py --flip)")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ..pipeline import VQLCMDPipeline
 from ..schedule import ShiftedCosineSchedule
 from . import checkpoint as ckpt
 from .config import ConfigError, VQLCMDConfig, check_deepspeed_section, repo_path
-from .data import resolve_shards
+from .data import check_data_paths, open_data
 from .distributed import (agree_on_setup, barrier, data_fingerprint, data_identity, exchanged, init_distributed,
                           mean_over_ranks)
 from .host_memory import keep_freed_memory
@@ -123,9 +123,6 @@ class Trainer:
         """``progress``: the bars of the digits data set's first preparation (``train`` takes its own)."""
         import deepspeed
 
-        from ..data.loader import ShardLoader
-        from ..data.shards import TokenShardDataset
-
         # the method's switches, for a config built or edited in code too (a file's are forced as it is parsed):
         # dataclasses.replace(cfg, method="csdm") trained the full VQ-LCMD loss under the name csdm
         try:
@@ -135,7 +132,7 @@ class Trainer:
         self.cfg = cfg
         check_deepspeed_section(ds_config, "the DeepSpeed config", warn=False)  # (ZeRO-3 too, when built in code)
         if cfg.data.dataset is None:  # path errors are reported before any process group is set up
-            resolve_shards(cfg.data, rank=0)
+            check_data_paths(cfg.data)
         self.rank, self.world, self.local_rank, self.device = init_distributed()
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
         if self.device.type == "cpu":  # before the tokenizer and the model allocate anything large
@@ -144,21 +141,20 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "checkpoints"
 
         # ---- data ----------------------------------------------------------------------------
-        # Each rank opens its own shards; one exchange then stops every rank when one failed (the others
-        # would wait for it in DeepSpeed's set-up) and refuses ranks that opened different data.
+        # Each rank opens its own shards (or image tree); one exchange then stops every rank when one failed
+        # (the others would wait for it in DeepSpeed's set-up) and refuses ranks that opened different data.
         error = fingerprint = None
         try:
-            shard_dir, tok_dir = resolve_shards(cfg.data, self.rank, log=self.log, progress=progress)
-            # One full check (CRC, id ranges: a read of every shard) per node is enough: the ranks of a node
-            # read the same files, and a failure on one rank stops all of them at agree_on_setup below.
-            self.dataset = TokenShardDataset(shard_dir, verify=self.local_rank == 0)
+            self.data = open_data(cfg.data, self.rank, local_rank=self.local_rank, device=self.device, log=self.log,
+                                  progress=progress)
+            self.dataset, tok_dir = self.data.dataset, self.data.tokenizer_dir
             self.tokenizer_dir = tok_dir
             if tok_dir is None and cfg.train.sample_every:
                 self.log("no data.tokenizer: the sample grids (train.sample_every) are off, since tokens cannot be "
                          "decoded; the exported pipeline samples tokens only (output_type='tokens')")
-            header = self.dataset.header
+            header = self.data.header
             den_cfg = preset_config(cfg.model.preset, **cfg.model.overrides)
-            den_cfg = self._check_against_shards(den_cfg, header, shard_dir)
+            den_cfg = self._check_against_shards(den_cfg, header, self.data.where)
             fingerprint = data_fingerprint(header)
         except Exception as exc:
             if exchanged(exc):  # rank 0's digits preparation failed: every rank knows already
@@ -246,7 +242,7 @@ class Trainer:
         # rank now gets its own stream, or every data-parallel rank would drop the same attention weights.
         torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, self.rank]).generate_state(1)[0]))
         try:
-            self.loader = ShardLoader(self.dataset, micro, rank=self.rank, world_size=self.world, seed=cfg.train.seed)
+            self.loader = self.data.loader(micro, rank=self.rank, world_size=self.world, seed=cfg.train.seed)
         except ValueError as exc:  # the data set cannot fill a micro-batch on every rank
             raise ConfigError(f"train_micro_batch_size_per_gpu={micro}: {exc}") from exc
         # per-rank stream for t, s, ε, drop masks: reproducible and saved with checkpoints
@@ -278,30 +274,35 @@ class Trainer:
         self.resolved_config = {**ds, "vqlcmd": cfg.to_dict()}
 
     # ---- checks -------------------------------------------------------------------------------
-    def _check_against_shards(self, den_cfg, header: dict, shard_dir: Path):
+    def _check_against_shards(self, den_cfg, header: dict, where: str):
+        """``where``: the data as errors name it ("the shards in X", "the images under X (...)")."""
         K, grid = int(header["codebook_size"]), header["grid"]
         M = int(grid[0]) * int(grid[1])
         C = int(header.get("num_classes") or 0)
         over = self.cfg.model.overrides
         for key, value in (("codebook_size", K), ("seq_len", M)):
             if key in over and over[key] != value:
-                raise ConfigError(f"vqlcmd.model.overrides.{key}={over[key]} but the shards in {shard_dir} hold "
+                raise ConfigError(f"vqlcmd.model.overrides.{key}={over[key]} but {where} hold "
                                   f"{key}={value} (tokenizer {header.get('tokenizer_id')})")
         if den_cfg.codebook_size != K or den_cfg.seq_len != M:
             raise ConfigError(
                 f"preset {self.cfg.model.preset!r} expects codebook_size={den_cfg.codebook_size} and "
-                f"{den_cfg.seq_len} tokens per image, but the shards in {shard_dir} hold codebook_size={K} and "
+                f"{den_cfg.seq_len} tokens per image, but {where} hold codebook_size={K} and "
                 f"{M} tokens (tokenizer {header.get('tokenizer_id')}); use a matching preset or shards")
         if den_cfg.num_classes not in (0, C):
-            raise ConfigError(f"preset {self.cfg.model.preset!r} has {den_cfg.num_classes} classes but the shards in "
-                              f"{shard_dir} have {C}; set vqlcmd.model.overrides.num_classes")
-        if self.cfg.data.tokenizer:
+            raise ConfigError(f"preset {self.cfg.model.preset!r} has {den_cfg.num_classes} classes but {where} "
+                              f"have {C}; set vqlcmd.model.overrides.num_classes")
+        if self.cfg.data.tokenizer and self.cfg.data.source == "shards":  # (images: the header is the tokenizer's)
             from ..tokenizer import load_tokenizer
 
             tok = load_tokenizer(repo_path(self.cfg.data.tokenizer))
+            if tok.codebook_size != K:  # the likelier slip than a retrained tokenizer: name the sizes
+                raise ConfigError(f"vqlcmd.data.tokenizer {self.cfg.data.tokenizer} has codebook_size "
+                                  f"{tok.codebook_size} but {where} hold codebook_size={K} (made by tokenizer "
+                                  f"{header.get('tokenizer_id')}); give the tokenizer that wrote them")
             if tok.identifier != header.get("tokenizer_id"):
                 raise ConfigError(f"vqlcmd.data.tokenizer {self.cfg.data.tokenizer} has identifier {tok.identifier} "
-                                  f"but the shards in {shard_dir} were made by {header.get('tokenizer_id')}")
+                                  f"but {where} were made by {header.get('tokenizer_id')}")
         return den_cfg
 
     # ---- one step -----------------------------------------------------------------------------
