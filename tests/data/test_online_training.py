@@ -171,3 +171,30 @@ def test_data_section_errors(data_section, match):
 def test_a_missing_image_tree_is_named(tmp_path, data):
     with pytest.raises(ConfigError, match=r"vqlcmd\.data\.images: image folder .*nowhere does not exist"):
         _trainer(_config(tmp_path, data, "images", images=tmp_path / "nowhere"))
+
+
+def test_scripts_train_switches_to_images_with_set(data, tmp_path, load_script):
+    """The user's path: a shards config switched to the image tree on the command line."""
+    cfg = _config(tmp_path, data, "shards", steps=2)
+    code = load_script("train").main(["--config", str(cfg), "--no-progress", "--set", "data.source=images",
+                                      "--set", f"data.images={data / 'images'}", "--set", "data.shards=null",
+                                      "--set", "data.flip=true"])
+    assert code == 0
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_0000002" / "config.json").read_text())
+    assert saved["vqlcmd"]["data"]["source"] == "images" and saved["data"]["random_flip"] is True
+    assert saved["data"]["files_sha256"] == list_images(data / "images").digest()
+
+
+@pytest.mark.gpu
+def test_online_batches_on_cuda_follow_the_cpu_loader(data):
+    """DALI's mixed (GPU) decoder and the encode on the device: same order, labels and flips as on the CPU; the
+    tokens may differ a little (nvJPEG and libjpeg-turbo round differently), not wholesale."""
+    tok = load_tokenizer(data / "tok")
+    il = list_images(data / "images")
+    cpu = list(OnlineTokenLoader(il, tok, 8, seed=2, flip=True, backend="dali"))
+    gpu = list(OnlineTokenLoader(il, load_tokenizer(data / "tok"), 8, seed=2, flip=True, backend="dali",
+                                 device=torch.device("cuda")))
+    assert all(t.device.type == "cuda" and y.device.type == "cuda" for t, y in gpu)
+    assert torch.equal(torch.cat([y for _, y in cpu]), torch.cat([y for _, y in gpu]).cpu())
+    same = (torch.cat([t for t, _ in cpu]) == torch.cat([t for t, _ in gpu]).cpu()).float().mean().item()
+    assert same > 0.8, same
