@@ -198,3 +198,33 @@ def test_online_batches_on_cuda_follow_the_cpu_loader(data):
     assert torch.equal(torch.cat([y for _, y in cpu]), torch.cat([y for _, y in gpu]).cpu())
     same = (torch.cat([t for t, _ in cpu]) == torch.cat([t for t, _ in gpu]).cpu()).float().mean().item()
     assert same > 0.8, same
+
+
+@pytest.mark.slow  # two 2-rank launches: 1-3 minutes on 2 cores
+def test_two_ranks_from_images_train_the_weights_two_ranks_from_shards_do(data, tmp_path):
+    """The rank split through the trainer under the deepspeed launcher (gloo): each rank's online share is its
+    ShardLoader share, so both runs export the same weights."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from vqlcmd.engine.distributed import free_port
+
+    repo = Path(__file__).resolve().parents[2]
+    weights = {}
+    for source in ("shards", "images"):
+        cfg = _config(tmp_path / source, data, source, steps=3)
+        raw = json.loads(cfg.read_text())
+        raw["train_micro_batch_size_per_gpu"] = 4  # 3 batches of 4 per rank per epoch: 4 images left out
+        cfg.write_text(json.dumps(raw))
+        proc = subprocess.run([shutil.which("deepspeed"), "--master_port", str(free_port()), "--num_gpus", "2",
+                               "scripts/train.py", "--config", str(cfg), "--no-progress"], cwd=repo,
+                              capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        weights[source] = load_file(tmp_path / source / "run" / "pipeline" / "model.safetensors")
+    assert weights["shards"].keys() == weights["images"].keys()
+    for k, v in weights["shards"].items():
+        assert torch.equal(v, weights["images"][k]), k
