@@ -49,7 +49,7 @@ def _config(path, base, source, steps=3, images=None, **data):
     return path / "cfg.json"
 
 
-def _trainer(cfg_path, log=lambda *a, **k: None, **sets):
+def _trainer(cfg_path, log=lambda *a, **k: None):
     ds, cfg = load_config(str(cfg_path))
     return Trainer(ds, cfg, log=log)
 
