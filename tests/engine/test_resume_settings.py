@@ -84,3 +84,26 @@ def test_a_resume_that_fails_to_load_leaves_config_json(tmp_path, tiny_shards, m
     with pytest.raises(CheckpointError):
         Trainer(ds, parse_vqlcmd_section(section), log=_quiet).train(progress=False)
     assert (tmp_path / "run" / "config.json").read_text() == config
+
+
+def test_the_readme_command_after_the_quick_start_is_refused_by_train_py(tmp_path, tiny_shards, make_config, capsys):
+    """`--set train.steps=200 --set loss.beta_cm=0` on the quick start's folder resumed, trained 0 steps, exited 0
+    and rewrote config.json to beta_cm=0."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_script",
+                                                  Path(__file__).resolve().parents[2] / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cfg = str(make_config(tmp_path, tiny_shards, steps=3))
+    assert script.main(["--config", cfg, "--no-progress"]) == 0
+    config = (tmp_path / "run" / "config.json").read_text()
+    capsys.readouterr()
+    assert script.main(["--config", cfg, "--no-progress", "--set", "train.steps=2", "--set", "loss.beta_cm=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("config error: ") and "was trained with vqlcmd.loss.beta_cm = 1.0 but this run has 0" in err
+    assert (tmp_path / "run" / "config.json").read_text() == config
+    assert script.main(["--config", cfg, "--no-progress", "--set", "train.steps=2"]) == 0
+    assert "nothing to train: the checkpoint in" in capsys.readouterr().out
+    assert (tmp_path / "run" / "config.json").read_text() == config
