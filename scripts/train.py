@@ -31,9 +31,9 @@ from vqlcmd.engine.config import ConfigError, is_deepspeed_key, load_config, nea
 from vqlcmd.cli import add_threads_option  # noqa: E402
 
 
-def _rank0_stderr(line: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr)
+def _rank0_print(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # (the trainer's log lines are rank 0's too)
+        print(line)
 
 
 def _set(section: dict, dotted: str, value: str) -> None:
@@ -60,9 +60,6 @@ def main(argv=None) -> int:
     add_threads_option(parser)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
-    from vqlcmd.threads import configure
-
-    configure(args.threads, log=_rank0_stderr)
 
     def apply_sets(deepspeed: bool):
         def apply(section: dict) -> None:
@@ -84,6 +81,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    from vqlcmd.threads import configure
+
+    configure(args.threads, log=_rank0_print)  # before the digits' tokenizer or the model computes anything
 
     from vqlcmd.data.shards import ShardError
     from vqlcmd.engine.checkpoint import CheckpointError
