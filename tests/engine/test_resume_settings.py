@@ -107,3 +107,15 @@ def test_the_readme_command_after_the_quick_start_is_refused_by_train_py(tmp_pat
     assert script.main(["--config", cfg, "--no-progress", "--set", "train.steps=2"]) == 0
     assert "nothing to train: the checkpoint in" in capsys.readouterr().out
     assert (tmp_path / "run" / "config.json").read_text() == config
+
+
+def test_a_checkpoint_from_before_a_loss_key_existed_still_resumes(tmp_path, tiny_shards, make_config):
+    ds, section = _first_run(tmp_path, tiny_shards, make_config)
+    saved_file = tmp_path / "run" / "checkpoints" / "step_0000002" / "config.json"
+    saved = json.loads(saved_file.read_text())
+    del saved["vqlcmd"]["loss"]["l0_fraction"]  # as a version without the key wrote it
+    saved_file.write_text(json.dumps(saved))
+    section["train"]["steps"] = 3
+    history = Trainer(ds, parse_vqlcmd_section(section), log=_quiet).train(progress=False)
+    assert [h["step"] for h in history] == [3]
+    assert _pipeline_config(tmp_path)["resumes"] == [{"step": 2, "changed": {"vqlcmd.train.steps": [2, 3]}}]

@@ -119,17 +119,14 @@ def _setup(key: str, section):
 
 
 def _differences(then, now, prefix: str) -> dict:
-    """{dotted key: (then, now)} for the leaves that differ between two JSON-like configs (``then`` None:
-    a checkpoint from before the key was recorded, no difference)."""
+    """{dotted key: (then, now)} for the leaves that differ between two JSON-like configs. A key on one side
+    only is no difference: a checkpoint from before the key existed (or one this version retired)."""
     if then is None:
         return {}
     if isinstance(then, dict) and isinstance(now, dict):
         out = {}
-        for k in sorted(set(then) | set(now), key=str):
-            if k in then and k in now:
-                out.update(_differences(then[k], now[k], f"{prefix}.{k}"))
-            else:
-                out[f"{prefix}.{k}"] = (then.get(k), now.get(k))
+        for k in sorted(set(then) & set(now), key=str):
+            out.update(_differences(then[k], now[k], f"{prefix}.{k}"))
         return out
     return {} if then == now else {prefix: (then, now)}
 
