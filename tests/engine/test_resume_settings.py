@@ -119,3 +119,18 @@ def test_a_checkpoint_from_before_a_loss_key_existed_still_resumes(tmp_path, tin
     history = Trainer(ds, parse_vqlcmd_section(section), log=_quiet).train(progress=False)
     assert [h["step"] for h in history] == [3]
     assert _pipeline_config(tmp_path)["resumes"] == [{"step": 2, "changed": {"vqlcmd.train.steps": [2, 3]}}]
+
+
+def test_maskgit_resumes_with_other_sampling_settings_but_not_another_training_mask(tmp_path, tiny_shards,
+                                                                                    make_config):
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2)))
+    section = cfg.to_dict()
+    section["method"] = "maskgit"
+    Trainer(ds, parse_vqlcmd_section(section), log=_quiet).train(progress=False)
+    section["train"]["steps"] = 3
+    section["maskgit"]["num_steps"] = 4  # the sampler's: no matter to the weights
+    Trainer(ds, parse_vqlcmd_section(section), log=_quiet).train(progress=False)
+    section["train"]["steps"] = 4
+    section["maskgit"]["label_smoothing"] = 0.0
+    with pytest.raises(ConfigError, match=r"vqlcmd\.maskgit\.label_smoothing = 0\.1 but this run has 0\.0"):
+        Trainer(ds, parse_vqlcmd_section(section), log=_quiet)

@@ -659,9 +659,15 @@ class Trainer:
                               "resume with the same seed, or train in another train.output_dir")
         # (another schedule: another method mid-run; CSDM†'s csdm section decides its frozen table, as embedding does)
         keys = ("method", "model", "embedding", "schedule") + (("csdm",) if now["method"] == "csdm_fixed" else ())
-        # the objective: weights trained on one loss and resumed on another match neither config
-        for key in ("loss",) + (("maskgit",) if now["method"] == "maskgit" else ()):
-            changed = _differences(then.get(key), json.loads(json.dumps(now[key])), f"vqlcmd.{key}")
+        # the objective: weights trained on one loss and resumed on another match neither config (MaskGIT's
+        # section is mostly its sampler's; these two keys are its training's)
+        objective = {"loss": None, **({"maskgit": ("train_schedule", "label_smoothing")}
+                                      if now["method"] == "maskgit" else {})}
+        for key, only in objective.items():
+            was, has = then.get(key), json.loads(json.dumps(now[key]))
+            if only and isinstance(was, dict):
+                was, has = ({k: v for k, v in d.items() if k in only} for d in (was, has))
+            changed = _differences(was, has, f"vqlcmd.{key}")
             if changed:
                 name, (old, new) = next(iter(changed.items()))
                 raise ConfigError(f"{folder} was trained with {name} = {json.dumps(old)} but this run has "
