@@ -24,6 +24,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # linecache): drop this folder from the path, and put the checkout on it to run without install.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
+# OpenMP reads its wait policy once, as torch loads it: set before anything imports torch, so that waiting
+# threads sleep instead of spinning against other work on the cores (see vqlcmd/threads.py)
+if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -34,7 +38,7 @@ from typing import Optional  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vqlcmd.cli import non_negative_float, positive_int  # noqa: E402
+from vqlcmd.cli import add_threads_option, non_negative_float, positive_int  # noqa: E402
 
 MANIFEST = "manifest.json"
 # settings that change the images: a continuation must match them
@@ -243,6 +247,7 @@ def main(argv=None) -> int:
     p.add_argument("--fast", choices=("compile", "cudagraphs"), default=None,
                    help="compile the denoiser for the sampling loop (see VQLCMDPipeline.enable_fast_sampling)")
     p.add_argument("--no-progress", action="store_true")
+    add_threads_option(p)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     # the value types refuse bad numbers before anything is written: a manifest of bad settings would
     # refuse the corrected rerun as "other settings"
@@ -254,7 +259,10 @@ def main(argv=None) -> int:
         p.error(f"--npz {args.npz}: {parent} is a file, not a folder")
 
     from vqlcmd.pipeline import image_generators
+    from vqlcmd.threads import configure
 
+    configure(args.threads, log=lambda line: print(line, file=sys.stderr) if os.environ.get("RANK", "0") == "0"
+              else None)
     rank, world, device = dist_setup(args)
     if device.type == "cpu":  # each denoiser batch's activations would page-fault in afresh
         from vqlcmd.engine.host_memory import keep_freed_memory

@@ -15,6 +15,10 @@ import sys
 # scripts/ is sys.path[0] when a script runs; scripts/tokenize.py would shadow the standard library's
 # tokenize module (imported lazily by linecache, inspect, torch), so take scripts/ off the path first.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+# OpenMP reads its wait policy once, as torch loads it: set before anything imports torch, so that waiting
+# threads sleep instead of spinning against other work on the cores (see vqlcmd/threads.py)
+if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
@@ -24,6 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without install
 
 from vqlcmd.engine.config import ConfigError, is_deepspeed_key, load_config, near_deepspeed_key  # noqa: E402
+from vqlcmd.cli import add_threads_option  # noqa: E402
+
+
+def _rank0_print(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # (the trainer's log lines are rank 0's too)
+        print(line)
 
 
 def _set(section: dict, dotted: str, value: str) -> None:
@@ -47,6 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--evaluate", action="store_true",
                         help="after training, sample a class-conditional grid and (digits) report accuracy")
     parser.add_argument("--no-progress", action="store_true")
+    add_threads_option(parser)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
 
@@ -70,6 +81,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    from vqlcmd.threads import configure
+
+    configure(args.threads, log=_rank0_print)  # before the digits' tokenizer or the model computes anything
 
     from vqlcmd.data.shards import ShardError
     from vqlcmd.engine.checkpoint import CheckpointError

@@ -14,11 +14,15 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # linecache): drop this folder from the path, and put the checkout on it to run without install.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
+# OpenMP reads its wait policy once, as torch loads it: set before anything imports torch, so that waiting
+# threads sleep instead of spinning against other work on the cores (see vqlcmd/threads.py)
+if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 
-from vqlcmd.cli import positive_float, positive_int  # noqa: E402
+from vqlcmd.cli import add_threads_option, positive_float, positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -41,6 +45,7 @@ def parse_args(argv=None):
                    help="--images: skip unreadable files up front: header parse (default) or full decode")
     p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     p.add_argument("--no-progress", action="store_true")
+    add_threads_option(p)
     args = p.parse_args(argv)
     try:
         blocks = tuple(int(c) for c in args.channels_per_block.split(","))
@@ -74,6 +79,10 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
+
+    from vqlcmd.threads import configure
+
+    configure(args.threads, log=lambda line: print(line, file=sys.stderr))
 
     from vqlcmd.data import digits_images, image_batches, list_images, prepare_digits
     from vqlcmd.engine.host_memory import keep_freed_memory

@@ -81,3 +81,20 @@ def choices_list(allowed):
             raise argparse.ArgumentTypeError(f"unknown {bad} in {text!r}; choose from {', '.join(allowed)}")
         return names
     return parse
+
+
+def threads_setting(text: str):
+    """``--threads N|auto|torch`` (see vqlcmd.threads)."""
+    from .threads import parse_setting
+
+    try:
+        return parse_setting(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_threads_option(parser) -> None:
+    parser.add_argument("--threads", type=threads_setting, default=None, metavar="N|auto|torch",
+                        help="CPU threads for torch (default: $VQLCMD_THREADS, else auto: the free cores, fewer "
+                             "when other work keeps some busy; torch: torch's own default)")
+

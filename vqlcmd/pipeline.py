@@ -2,7 +2,9 @@
 
 A pipeline folder holds ``model.safetensors`` (denoiser + token embeddings, the
 sampling-EMA weights) and ``config.json`` (denoiser config, schedule, tokenizer
-reference, class names, sampling defaults, the resolved training config).
+reference, class names, sampling defaults, the resolved training config), and ``tokenizer/`` (the VQ
+tokenizer's diffusers folder, named relatively in config.json) when the pipeline has one: a copied or
+moved folder samples images on its own.
 No pickle anywhere: safetensors + JSON only.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import json
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -26,6 +29,7 @@ from .samplers import Generators, class_label_tensor, sample_tokens
 from .schedule import ShiftedCosineSchedule
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+TOKENIZER_DIR = "tokenizer"  # the tokenizer's subfolder in a pipeline folder
 SAVE_ID = "save_id"  # in config.json and the weights' metadata: one save wrote both
 FAST_MODES = ("compile", "cudagraphs")
 
@@ -65,18 +69,58 @@ class VQLCMDPipeline:
         # Both files are written under temporary names and renamed in, so neither is ever half written. The
         # two renames are not one step: both carry the same save id, and a reader that meets the new weights
         # with the old config (the trainer re-exports with every checkpoint) is told, not given a mix.
+        config["tokenizer"] = self._save_tokenizer(folder)
         save_id = _content_id(state, config)  # the same save twice: the same bytes (sample.py hashes them)
         config[SAVE_ID] = save_id
         save_file(state, str(folder / (WEIGHTS + ".tmp")), metadata={SAVE_ID: save_id})
+        _user_mode(folder / (WEIGHTS + ".tmp"))  # safetensors creates its files 0600
         (folder / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2, default=str))
         os.replace(folder / (WEIGHTS + ".tmp"), folder / WEIGHTS)
         os.replace(folder / (CONFIG + ".tmp"), folder / CONFIG)
         return folder
 
+    def _save_tokenizer(self, folder: Path) -> dict:
+        """The tokenizer saved inside the pipeline folder (``tokenizer/``, as diffusers pipelines keep their
+        parts) and named relative to it, so that a copied or moved folder still decodes; returns the reference
+        for config.json. A folder that already holds this tokenizer keeps it (the trainer re-exports the
+        pipeline with every checkpoint)."""
+        ref = dict(self.tokenizer_ref)
+        model = getattr(self.tokenizer, "model", None)
+        if not hasattr(model, "save_pretrained"):  # no tokenizer object: the reference as it was
+            return ref
+        ref["path"] = TOKENIZER_DIR
+        ref["identifier"] = getattr(self.tokenizer, "identifier", None) or ref.get("identifier")
+        try:
+            had = (json.loads((folder / CONFIG).read_text()).get("tokenizer") or {})
+        except (OSError, ValueError):
+            had = {}
+        if (had.get("path") == TOKENIZER_DIR and had.get("identifier") == ref["identifier"]
+                and (folder / TOKENIZER_DIR / "config.json").is_file()):
+            return ref
+        staging, old = folder / (TOKENIZER_DIR + ".tmp"), folder / (TOKENIZER_DIR + ".old")
+        for leftover in (staging, old):
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        model.save_pretrained(str(staging))
+        for f in staging.rglob("*"):
+            if f.is_file():
+                _user_mode(f)
+        if (folder / TOKENIZER_DIR).exists():
+            os.replace(folder / TOKENIZER_DIR, old)
+        os.replace(staging, folder / TOKENIZER_DIR)
+        if old.exists():
+            shutil.rmtree(old)
+        return ref
+
     @classmethod
     def from_pretrained(cls, folder: Union[str, Path], *, device: Union[str, torch.device] = "cpu",
                         dtype: torch.dtype = torch.float32, load_tokenizer: bool = True) -> "VQLCMDPipeline":
         folder = Path(folder)
+        if not folder.is_dir():
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            raise FileNotFoundError(f"pipeline folder {str(folder)!r} {what} (an exported pipeline is a folder "
+                                    f"holding {WEIGHTS} and {CONFIG}; scripts/train.py writes one to "
+                                    "<train.output_dir>/pipeline)")
         for name in (WEIGHTS, CONFIG):
             if not (folder / name).is_file():
                 raise FileNotFoundError(f"{folder}: missing {name}; not an exported VQ-LCMD pipeline folder")
@@ -122,6 +166,9 @@ class VQLCMDPipeline:
         tokenizer = None
         if load_tokenizer and tok_ref.get("path"):
             tokenizer = _load_tokenizer(folder, tok_ref, device)
+        elif tok_ref.get("path") and not Path(tok_ref["path"]).is_absolute():
+            # saved again without its tokenizer object, the reference must still find this folder's
+            tok_ref = {**tok_ref, "path": str((folder / tok_ref["path"]).resolve())}
         extra = {k: v for k, v in config.items()
                  if k not in ("denoiser", "embedding", "schedule", "tokenizer", "class_names", "sample", SAVE_ID)}
         return cls(network, sched, tokenizer=tokenizer, tokenizer_ref=tok_ref, class_names=config.get("class_names"),
@@ -379,6 +426,18 @@ def to_pil(images: torch.Tensor):
 
     arr = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arr]
+
+
+def _user_mode(path: Path) -> None:
+    """The mode a plain ``open`` would have given the file (0666 less the umask): files written through a
+    library that creates them private (0600) are readable by whom the user's other files are."""
+    try:  # Linux: read without changing it (os.umask can only be read by setting it, racing other threads)
+        umask = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                         if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _load_tokenizer(folder: Path, ref: dict, device):

@@ -111,8 +111,8 @@ def test_resuming_on_another_image_tree_is_refused(data, tmp_path):
     _trainer(_config(tmp_path, data, "images", steps=4, images=tree)).train(progress=False, until=2)
     saved = sorted((tmp_path / "run" / "checkpoints").iterdir())
     (tree / "cat" / "im2.jpg").write_bytes((tree / "ant" / "im0.jpg").read_bytes())  # a picture replaced
-    # (the message says "token shards" for an image tree too: _check_resumable's wording, left to its owner)
-    with pytest.raises(ConfigError, match=r"step_0000002 was trained on other token shards: .*files_sha256"):
+    with pytest.raises(ConfigError,
+                       match=r"step_0000002 was trained on other data \(token shards or image tree\): .*files_sha256"):
         _trainer(_config(tmp_path, data, "images", steps=4, images=tree))
     assert sorted((tmp_path / "run" / "checkpoints").iterdir()) == saved  # nothing touched
 

@@ -275,7 +275,7 @@ def test_resume_on_other_shards_is_refused_up_front(tmp_path, tiny_shards, train
     for f in sorted(moved.glob("*.vqtok")):
         s = open_shard(f)
         write_shard(f, s.tokens[:], s.labels[:], {**s.header, "tokenizer_id": "another-tokenizer"})
-    with pytest.raises(ConfigError, match=r"step_0000003 was trained on other token shards: "
+    with pytest.raises(ConfigError, match=r"step_0000003 was trained on other data \(token shards or image tree\): "
                                           r"\{\"tokenizer_id\": \[\"synthetic-test\", \"another-tokenizer\"\]\}"):
         trainer(tmp_path, moved, steps=4)
 

@@ -140,7 +140,7 @@ def test_bad_paths_are_one_line_errors(sample_script, pipe_dir, tmp_path):
     a_file.write_text("x")
     with pytest.raises(SystemExit, match="is a file, not a folder"):
         sample_script.main(_args(pipe_dir, a_file))
-    with pytest.raises(SystemExit, match="--pipeline: .*missing model.safetensors"):
+    with pytest.raises(SystemExit, match="--pipeline: .*nowhere. does not exist"):
         sample_script.main(_args(tmp_path / "nowhere", tmp_path / "s1"))
     (tmp_path / "s2").mkdir()
     (tmp_path / "s2" / "manifest.json").write_text("{not json")

@@ -182,6 +182,3 @@ def fake_loss_tensors():
             "loss.discriminator.main.0.weight": torch.randn(64, 3, 4, 4),
             "loss.discriminator.main.0.bias": torch.randn(64)}
 
-
-class CallbackStandIn:
-    """Stands in for the Lightning objects some .ckpt files pickle next to the weights."""

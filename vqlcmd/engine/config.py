@@ -415,6 +415,63 @@ def check_deepspeed_section(ds: dict, path, *, warn: bool = True) -> None:
     bf16 = ds.get("bf16", {}).get("enabled", False)
     if not (isinstance(bf16, bool) or bf16 == "auto"):  # resolved by vqlcmd.engine.precision
         raise ConfigError(f'{path}: bf16.enabled must be true, false or "auto", got {bf16!r}')
+    _check_with_deepspeed_models(ds, path)
+
+
+# The DeepSpeed sections that DeepSpeed parses with its own pydantic models (module, class): validated up front,
+# so that a misspelt key (zero_optimization.stagee) is one line naming it, not a pydantic traceback from
+# deepspeed.initialize after the data was prepared.
+_DEEPSPEED_MODELS = {
+    "zero_optimization": ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
+    "bf16": ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
+    "fp16": ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
+    "compile": ("deepspeed.compile.config", "CompileConfig"),
+    "comms_logger": ("deepspeed.comm.config", "CommsLoggerConfig"),
+    "tensorboard": ("deepspeed.monitor.config", "TensorBoardConfig"),
+    "wandb": ("deepspeed.monitor.config", "WandbConfig"),
+    "csv_monitor": ("deepspeed.monitor.config", "CSVConfig"),
+    "comet": ("deepspeed.monitor.config", "CometConfig"),
+    "hybrid_engine": ("deepspeed.runtime.config", "HybridEngineConfig"),
+}
+
+
+def _model_keys(model) -> list:
+    """A pydantic model's keys, under their names and aliases (``stage3_prefetch_bucket_size``)."""
+    return sorted({k for name, f in model.model_fields.items() for k in (name, f.alias) if k})
+
+
+def _check_with_deepspeed_models(ds: dict, path) -> None:
+    import difflib
+    import importlib
+
+    for key, (module, name) in _DEEPSPEED_MODELS.items():
+        section = ds.get(key)
+        if not isinstance(section, dict):
+            continue  # (absent, or a type refused above)
+        try:
+            model = getattr(importlib.import_module(module), name)
+            import pydantic
+        except (ImportError, AttributeError):  # another DeepSpeed version: deepspeed.initialize checks it
+            continue
+        if key == "bf16" and section.get("enabled") == "auto":
+            section = {**section, "enabled": True}  # resolved by vqlcmd.engine.precision before DeepSpeed sees it
+        try:
+            model(**section)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in (key, *err["loc"]))
+            if err["type"] == "extra_forbidden":
+                inner = model
+                for part in err["loc"][:-1]:  # a nested section's model (offload_optimizer.devicee)
+                    hint = inner.model_fields.get(part) if hasattr(inner, "model_fields") else None
+                    inner = getattr(hint, "annotation", None)
+                    inner = next((a for a in getattr(inner, "__args__", ()) if hasattr(a, "model_fields")), inner)
+                known = _model_keys(inner) if hasattr(inner, "model_fields") else []
+                near = difflib.get_close_matches(str(err["loc"][-1]), known, n=1, cutoff=0.6)
+                raise ConfigError(f"{path}: unknown DeepSpeed key {where}"
+                                  + (f"; did you mean {near[0]!r}?" if near else
+                                     f" (DeepSpeed's keys there: {', '.join(known)})" if known else "")) from None
+            raise ConfigError(f"{path}: DeepSpeed key {where}: {err['msg']} (got {err.get('input')!r})") from None
 
 
 def repo_path(p: Optional[str]) -> Optional[Path]:

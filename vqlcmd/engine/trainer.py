@@ -118,6 +118,19 @@ def _setup(key: str, section):
     return section
 
 
+def _differences(then, now, prefix: str) -> dict:
+    """{dotted key: (then, now)} for the leaves that differ between two JSON-like configs. A key on one side
+    only is no difference: a checkpoint from before the key existed (or one this version retired)."""
+    if then is None:
+        return {}
+    if isinstance(then, dict) and isinstance(now, dict):
+        out = {}
+        for k in sorted(set(then) & set(now), key=str):
+            out.update(_differences(then[k], now[k], f"{prefix}.{k}"))
+        return out
+    return {} if then == now else {prefix: (then, now)}
+
+
 class Trainer:
     def __init__(self, ds_config: dict, cfg: VQLCMDConfig, *, log=print, progress: bool = True):
         """``progress``: the bars of the digits data set's first preparation (``train`` takes its own)."""
@@ -269,9 +282,18 @@ class Trainer:
             from torch.utils.tensorboard import SummaryWriter
 
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps({**ds, "vqlcmd": cfg.to_dict()}, indent=2))
             self.tb = SummaryWriter(str(self.out_dir / "tb"))
         self.resolved_config = {**ds, "vqlcmd": cfg.to_dict()}
+        self.resumes: list = []  # the resumes that changed settings, oldest first (see load)
+        # a resume's config.json waits until its checkpoint has loaded and it has steps to train (see train):
+        # written here, a resume refused later, or one with nothing to do, left it describing weights it never
+        # trained
+        if not (cfg.train.resume and ckpt.latest_tag(self.ckpt_dir)):
+            self._write_run_config()
+
+    def _write_run_config(self) -> None:
+        if self.rank == 0:
+            (self.out_dir / "config.json").write_text(json.dumps(self.resolved_config, indent=2))
 
     # ---- checks -------------------------------------------------------------------------------
     def _check_against_shards(self, den_cfg, header: dict, where: str):
@@ -380,8 +402,14 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg.train
-        if cfg.resume:
-            self.load()
+        if cfg.resume and self.load():
+            if self.step < cfg.steps:
+                self._write_run_config()
+            else:  # the pipeline goes on describing the run that trained its weights
+                self.resolved_config = self._checkpoint_config
+                self.log(f"nothing to train: the checkpoint in {self.ckpt_dir} is at step {self.step} and "
+                         f"train.steps is {cfg.steps}; raise train.steps to train on, or set another "
+                         "train.output_dir for a new run")
         start = self.step
         stop = cfg.steps if until is None else min(until, cfg.steps)
         history = []
@@ -490,12 +518,18 @@ class Trainer:
                                    tokenizer=tokenizer, tokenizer_ref=ref, class_names=self.header.get("class_names"),
                                    sample_defaults={"num_steps": self.cfg.maskgit.num_steps,
                                                     "guidance_scale": s.guidance_scale},
-                                   extra_config={"training_config": self.resolved_config, "step": self.step})
+                                   extra_config=self._pipeline_record())
         return VQLCMDPipeline(self.sampling_ema.module, self.schedule, tokenizer=tokenizer, tokenizer_ref=ref,
                               class_names=self.header.get("class_names"),
                               sample_defaults={"num_steps": s.num_steps, "guidance_scale": s.guidance_scale,
                                                "sampler": s.sampler, "final": s.final},
-                              extra_config={"training_config": self.resolved_config, "step": self.step})
+                              extra_config=self._pipeline_record())
+
+    def _pipeline_record(self) -> dict:
+        record = {"training_config": self.resolved_config, "step": self.step}
+        if self.resumes:  # settings that changed at a resume: the config holds the last ones only
+            record["resumes"] = self.resumes
+        return record
 
     def _untouched_rng(self):
         """Work outside training (loading the tokenizer initialises modules from the global generator) runs in a
@@ -564,6 +598,8 @@ class Trainer:
         barrier()  # every rank has looked before rank 0 renames the folder
         if self.rank == 0:
             written = {**self.resolved_config, "data": data_identity(self.header)}  # what a resume checks
+            if self.resumes:
+                written["resumes"] = self.resumes
             (partial / "config.json").write_text(json.dumps(written, indent=2))
             final = ckpt.commit(self.ckpt_dir, self.step, self.cfg.train.keep_checkpoints)
             self._export_pipeline()
@@ -624,6 +660,20 @@ class Trainer:
                               "resume with the same seed, or train in another train.output_dir")
         # (another schedule: another method mid-run; CSDM†'s csdm section decides its frozen table, as embedding does)
         keys = ("method", "model", "embedding", "schedule") + (("csdm",) if now["method"] == "csdm_fixed" else ())
+        # the objective: weights trained on one loss and resumed on another match neither config (MaskGIT's
+        # section is mostly its sampler's; these two keys are its training's)
+        objective = {"loss": None, **({"maskgit": ("train_schedule", "label_smoothing")}
+                                      if now["method"] == "maskgit" else {})}
+        for key, only in objective.items():
+            was, has = then.get(key), json.loads(json.dumps(now[key]))
+            if only and isinstance(was, dict):
+                was, has = ({k: v for k, v in d.items() if k in only} for d in (was, has))
+            changed = _differences(was, has, f"vqlcmd.{key}")
+            if changed:
+                name, (old, new) = next(iter(changed.items()))
+                raise ConfigError(f"{folder} was trained with {name} = {json.dumps(old)} but this run has "
+                                  f"{json.dumps(new)}; resume with the same {key} settings, or train in another "
+                                  "train.output_dir (--set train.output_dir=runs/NAME)")
         for key in keys:
             if key in then and _setup(key, then[key]) != _setup(key, now[key]):
                 raise ConfigError(f"{folder} was trained with vqlcmd.{key} = {json.dumps(then[key])} but this run has "
@@ -637,7 +687,8 @@ class Trainer:
         if data is not None and data != now_data:
             diff = {k: (data.get(k), now_data.get(k)) for k in sorted(set(data) | set(now_data))
                     if data.get(k) != now_data.get(k)}
-            raise ConfigError(f"{folder} was trained on other token shards: {json.dumps(diff)[:600]} (then, now); "
+            raise ConfigError(f"{folder} was trained on other data (token shards or image tree): "
+                              f"{json.dumps(diff)[:600]} (then, now); "
                               "resume on the same data (another tokenizer's ids mean other things to the model), or "
                               "train in another train.output_dir")
         micro = saved.get("train_micro_batch_size_per_gpu")
@@ -671,6 +722,26 @@ class Trainer:
             self.log("resuming with the config's " + ", ".join(f"{k} {new} (checkpoint: {old})"
                                                                for k, (old, new) in changed.items()))
 
+    def _record_resume(self, folder: Path) -> None:
+        """What the checkpoint's run had that this run changed (the rates, the step count, ...: what the resume
+        checks let through): ``resumes`` gains an entry, kept with the next checkpoints and the pipeline."""
+        self._checkpoint_config = self.resolved_config
+        try:
+            saved = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):  # checkpoints from before configs were saved with them
+            return
+        self.resumes = list(saved.pop("resumes", []))
+        saved.pop("data", None)
+        self._checkpoint_config = saved
+        now = json.loads(json.dumps(self.resolved_config))
+        changed = {k[len("config."):]: list(v) for k, v in _differences(saved, now, "config").items()
+                   if k != "config.vqlcmd.train.resume"}
+        if changed and self.step < self.cfg.train.steps:  # (with nothing to train, nothing changed)
+            self.resumes.append({"step": self.step, "changed": changed})
+            self.log(f"resuming at step {self.step} with settings other than the checkpoint's (recorded with the "
+                     "next checkpoints and the pipeline): " + ", ".join(
+                         f"{k} {json.dumps(new)} (was {json.dumps(old)})" for k, (old, new) in changed.items()))
+
     def load(self) -> bool:
         tag = ckpt.latest_tag(self.ckpt_dir)
         if tag is None:
@@ -687,6 +758,7 @@ class Trainer:
         self.teacher.load_state_dict(client["teacher"])
         self.sampling_ema.load_state_dict(client["sampling_ema"])
         self._apply_config_rates()
+        self._record_resume(folder)
         rank_file = self.ckpt_dir / tag / f"rank_{self.rank:05d}_state.pt"
         if not rank_file.is_file():
             raise RuntimeError(f"{rank_file} is missing: the checkpoint was written by a run with a different "

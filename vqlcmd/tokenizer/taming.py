@@ -6,6 +6,10 @@ The two implementations compute the same function; only names (and the attention
 or deliberately dropped (``loss.*``: the discriminator and LPIPS used only for training the VQGAN);
 anything else is an error, so a checkpoint with an unexpected layout fails loudly instead of
 loading half its weights.
+
+The released checkpoints are PyTorch Lightning training checkpoints (optimizer states, callbacks keyed
+by Lightning classes): ``load_taming_state_dict`` reads those without Lightning and without running code
+from the file (see ``inert_load``), and keeps only ``state_dict``.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import re
 from pathlib import Path
 
 import torch
+
+from .inert_load import RefusedGlobal, inert_torch_load
 
 # The paper's tokenizer, vqgan_imagenet_f16_1024 (its model.params / ddconfig).
 IMAGENET_F16_1024 = dict(ch=128, ch_mult=[1, 1, 2, 2, 4], num_res_blocks=2, attn_resolutions=[16], z_channels=256,
@@ -121,7 +127,14 @@ def taming_to_diffusers_state_dict(state: dict, levels: int) -> tuple[dict, list
     return out, dropped
 
 
+def _plain(message: str) -> str:
+    """The first line of a library's message, without terminal colour codes."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", message).strip().splitlines()[0] if message.strip() else message
+
+
 def load_taming_state_dict(path) -> dict:
+    """The ``state_dict`` of a taming ``.ckpt``; everything else in the file (a Lightning training
+    checkpoint's optimizer states, callbacks, hparams) is read as inert data and dropped."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"taming checkpoint {str(path)!r} does not exist")
@@ -130,15 +143,16 @@ def load_taming_state_dict(path) -> dict:
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch's zip format, or a legacy pickle
         raise ValueError(f"taming checkpoint {path} is not a torch checkpoint (starts with {head!r})")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (EOFError, RuntimeError) as e:  # cut off, or not a torch file at all
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:  # a training checkpoint (Lightning: callbacks, hparams, ...): see inert_load
+            ckpt = inert_torch_load(path)
+    except RefusedGlobal as e:
+        raise ValueError(f"taming checkpoint {path} refused: {e}. Nothing from the file was run; a VQGAN "
+                         "checkpoint needs no such call, so this file is not one to trust.") from None
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as e:  # cut off, or not a torch file at all
         raise ValueError(f"taming checkpoint {path} is not a readable torch checkpoint (truncated or another "
-                         f"format): {str(e).splitlines()[0]}") from None
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"taming checkpoint {path} holds Python objects that a weights-only load refuses "
-                         f"({str(e).splitlines()[0]}). Re-save only its weights, e.g. "
-                         f"torch.save({{'state_dict': ckpt['state_dict']}}, 'weights.ckpt') in a trusted "
-                         "environment, and convert that file.") from None
+                         f"format): {_plain(str(e))}") from None
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"taming checkpoint {path}: expected a dict of tensors under 'state_dict'")
