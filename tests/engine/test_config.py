@@ -24,7 +24,7 @@ def test_imagenet_config_is_the_paper_setup():
     den = preset_config(cfg.model.preset, **cfg.model.overrides)
     assert (den.depth, den.heads, den.width) == (24, 16, 768)
     assert (den.codebook_size, den.embed_dim, den.seq_len, den.num_classes) == (1024, 256, 256, 1000)
-    assert ds["train_batch_size"] == 128 and ds["bf16"]["enabled"] and ds["zero_optimization"]["stage"] == 2
+    assert ds["train_batch_size"] == 128 and ds["bf16"]["enabled"] == "auto" and ds["zero_optimization"]["stage"] == 2
     assert (cfg.loss.beta_cm, cfg.loss.beta_dm, cfg.loss.p_drop, cfg.loss.label_drop) == (1.0, 0.005, 0.2, 0.1)
     assert cfg.ema.teacher == 0.99
 

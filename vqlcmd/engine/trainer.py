@@ -32,7 +32,7 @@ from .config import ConfigError, VQLCMDConfig, check_deepspeed_section, repo_pat
 from .data import check_data_paths, open_data
 from .distributed import (agree_on_setup, barrier, data_fingerprint, data_identity, exchanged, init_distributed,
                           mean_over_ranks)
-from .host_memory import keep_freed_memory
+from .host_memory import keep_freed_memory, release_freed_memory
 from .optim import build_optimizer, build_scheduler
 from .precision import resolve_bf16
 
@@ -251,6 +251,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds)
         self.net: VQLCMDNetwork = self.engine.module.net
+        self.log(release_freed_memory())  # the weights' first copy, now in DeepSpeed's flat buffers
         # Attention dropout draws from the global generator, seeded alike above for equal initial weights: each
         # rank now gets its own stream, or every data-parallel rank would drop the same attention weights.
         torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, self.rank]).generate_state(1)[0]))
