@@ -153,5 +153,8 @@ def test_the_compiled_fast_step_trains_as_the_eager_step_without_host_reads(tmp_
         assert a.keys() == b.keys()
         for k in a:
             assert float(b[k]) == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
+    # AdamW divides each gradient by its running RMS: where a gradient is ~0 (the zero-initialised AdaLN maps),
+    # float32 rounding differences of the compiled kernels move a weight by a fraction of the rate (3e-3),
+    # not of the weight: 9e-5 seen after 3 steps; a wrong update moves it by the whole rate
     for a, b in zip(ref.net.parameters(), tr.net.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=3e-4)

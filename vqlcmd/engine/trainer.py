@@ -285,11 +285,14 @@ class Trainer:
             self.log(f"warning: {warning}")
         self.tb = None
         if self.rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps({**ds, "vqlcmd": cfg.to_dict()}, indent=2))
-            self.tb = SummaryWriter(str(self.out_dir / "tb"))
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # a bare GPU image: metrics.jsonl holds the same scalars
+                self.log("tensorboard is not installed: no event files (the scalars go to metrics.jsonl)")
+            else:
+                self.tb = SummaryWriter(str(self.out_dir / "tb"))
         self.resolved_config = {**ds, "vqlcmd": cfg.to_dict()}
 
     # ---- checks -------------------------------------------------------------------------------
@@ -490,13 +493,19 @@ class Trainer:
                 self.save_sample_grid()
 
     def _log_scalars(self, terms: dict, images_per_s: float) -> None:
+        if self.rank != 0:
+            return
+        gn = self.engine.get_global_grad_norm()
+        gn = self.own_grad_norm if gn is None else gn
+        # the log steps' scalars as JSON lines too: readable without tensorboard (the GPU check's throughput rows)
+        row = {"step": self.step, **terms, "lr": self.step_lr, "images_per_s": images_per_s,
+               "grad_norm": None if gn is None else float(gn), "micro_batch": self.micro, "ranks": self.world}
+        with open(self.out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
         if self.tb is None:
             return
         for k, v in terms.items():
             self.tb.add_scalar(f"loss/{k}", v, self.step)
-        gn = self.engine.get_global_grad_norm()
-        if gn is None:
-            gn = self.own_grad_norm
         if gn is not None:
             self.tb.add_scalar("train/grad_norm", float(gn), self.step)
         self.tb.add_scalar("train/lr", self.step_lr, self.step)
