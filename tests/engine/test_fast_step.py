@@ -12,13 +12,13 @@ from vqlcmd.engine.trainer import NonFiniteLossError, Trainer
 READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__")
 
 
-def _trainer(tmp_path, shards, make_config, *, bf16=False, model=None, **train):
+def _trainer(tmp_path, shards, make_config, *, bf16=False, model=None, ds_edit=None, **train):
     def edit(section):
         if model:
             section["model"] = {**section.get("model", {}), "overrides": model}
 
     ds, cfg = load_config(str(make_config(tmp_path, shards, **train)), edit=edit,
-                          edit_deepspeed=lambda raw: raw.update(bf16={"enabled": bf16}))
+                          edit_deepspeed=lambda raw: raw.update(bf16={"enabled": bf16}, **(ds_edit or {})))
     return Trainer(ds, cfg, log=lambda *a, **k: None)
 
 
@@ -28,9 +28,10 @@ def _run(tr, steps: int) -> tuple[list, list]:
     return losses, [p.detach().double().clone() for p in tr.net.parameters()]
 
 
-def _compare(tmp_path, shards, make_config, steps, rtol, atol, bf16=False, model=None, **fast_train):
-    ref = _run(_trainer(tmp_path / "default", shards, make_config, bf16=bf16, model=model), steps)
-    tr = _trainer(tmp_path / "fast", shards, make_config, bf16=bf16, model=model, fast=True, **fast_train)
+def _compare(tmp_path, shards, make_config, steps, rtol, atol, bf16=False, model=None, ds_edit=None, **fast_train):
+    ref = _run(_trainer(tmp_path / "default", shards, make_config, bf16=bf16, model=model, ds_edit=ds_edit), steps)
+    tr = _trainer(tmp_path / "fast", shards, make_config, bf16=bf16, model=model, ds_edit=ds_edit, fast=True,
+                  **fast_train)
     got = _run(tr, steps)
     for a, b in zip(ref[0], got[0]):
         assert a.keys() == b.keys()
@@ -41,9 +42,11 @@ def _compare(tmp_path, shards, make_config, steps, rtol, atol, bf16=False, model
     return tr
 
 
-def test_the_fast_step_trains_as_the_default_step(tmp_path, tiny_shards, make_config):
-    """fp32: the same draws, losses and updates, to rounding (the EMAs move in one multi-tensor update)."""
-    tr = _compare(tmp_path, tiny_shards, make_config, 3, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("ds_edit", [None, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}],
+                         ids=["one micro-step", "accumulation"])
+def test_the_fast_step_trains_as_the_default_step(tmp_path, tiny_shards, make_config, ds_edit):
+    """fp32: the same draws, losses (averaged over micro-steps) and updates, to rounding."""
+    tr = _compare(tmp_path, tiny_shards, make_config, 3, rtol=1e-5, atol=1e-6, ds_edit=ds_edit)
     assert tr.teacher.compute is tr.teacher.module  # fp32: no copy
 
 
