@@ -469,7 +469,7 @@ class Trainer:
         train_seconds, step_last = 0.0, self.step
         while self.step < stop and not self.stop_agreed:
             t0 = time.perf_counter()
-            terms = self.train_step(batches)  # ends in a read-back of the losses: the step is done
+            terms = self.train_step(batches)  # the default step ends in a read-back of the losses: it is done
             if cfg.fast:  # the flush's read-back ends the steps since the last one: the time is theirs
                 if not self._flushes_at(self.step, stop):
                     train_seconds += time.perf_counter() - t0
