@@ -19,19 +19,28 @@ The denoiser (vqlcmd/model/denoiser.py) with width W, depth L, sequence M:
 
     F_fwd(one sequence) = 2·P_tok·M + 4·L·M²·W + 2·P_seq
 
-One VQ-LCMD training step (vqlcmd/diffusion/losses.py) with batch B:
+One VQ-LCMD training step (vqlcmd/diffusion/losses.py) with batch B (the micro-batch of one rank):
 
-- student forward+backward on 2B sequences (z_t and the L0 input z_0 share one batched forward): 3·2B·F_fwd
-- teacher (EMA) forward on B sequences, no backward: B·F_fwd
-- Ψ̂ = softmax(logits)·E over B·M tokens, forward+backward: 6·B·M·K·D
+- B0 = max(1, ceil(l0_fraction·B)) rows get the L0 input z_0 (``loss.l0_fraction``: L0 is estimated on
+  the first B0 images); they join the B rows of z_t in one batched student forward of B + B0 sequences.
+  l0_fraction = 1 (the default) gives 2B rows; the quick start's 1/8 of 64 gives 64 + 8.
+- student forward+backward on those B + B0 sequences: 3·(B + B0)·F_fwd
+- teacher (EMA) forward on B sequences (z̄_s), no backward: B·F_fwd, only when β_CM > 0 (the ablation
+  without L_CM runs no teacher)
+- Ψ̂ = softmax(logits)·E[:K] over the B·M student tokens of z_t: forward 2·B·M·K·D, backward 4·B·M·K·D
+  (the logits' gradient and the table's): 6·B·M·K·D
+- not counted (element-wise or gathers): the noise and DDIM teacher inputs, the cross-entropy of L0, the
+  KL of L_CM, the optimizer and the EMA updates
 
-    F_step = 6·B·F_fwd + B·F_fwd + 6·B·M·K·D
+    F_step = 3·(B + B0)·F_fwd + [β_CM > 0]·B·F_fwd + 6·B·M·K·D
 
-i.e. 6·P_tok·(2·B·M) for the student plus 2·P_tok·(B·M) for the teacher, plus the
-attention and per-sequence terms above.
+i.e. 6·P_tok·(B + B0)·M for the student plus 2·P_tok·B·M for the teacher, plus the attention
+(12·L·M²·W per student sequence, 4·L·M²·W per teacher one) and per-sequence terms above.
+MFU = F_step / step time / the card's dense bf16 peak.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch.nn as nn
@@ -82,8 +91,16 @@ def denoiser_forward_flops(denoiser: nn.Module, seq_len: int) -> float:
     return 2.0 * p_tok * seq_len + 4.0 * cfg.depth * seq_len**2 * cfg.width + 2.0 * p_seq
 
 
-def train_step_flops(denoiser: nn.Module, batch: int, seq_len: int) -> float:
-    """F_step of one VQ-LCMD training step (student fwd+bwd on 2B, teacher fwd on B, Ψ̂ fwd+bwd)."""
+def l0_rows(batch: int, l0_fraction: float) -> int:
+    """B0, the rows of the L0 input: as vqlcmd/diffusion/losses.py takes them."""
+    return max(1, math.ceil(l0_fraction * batch))
+
+
+def train_step_flops(denoiser: nn.Module, batch: int, seq_len: int, *, l0_fraction: float = 1.0,
+                     teacher: bool = True) -> float:
+    """F_step of one VQ-LCMD training step: student fwd+bwd on B + B0 rows, teacher fwd on B (when ``teacher``,
+    i.e. β_CM > 0), Ψ̂ fwd+bwd."""
     cfg = denoiser.cfg
     f = denoiser_forward_flops(denoiser, seq_len)
-    return 6.0 * batch * f + batch * f + 6.0 * batch * seq_len * cfg.codebook_size * cfg.embed_dim
+    student = 3.0 * (batch + l0_rows(batch, l0_fraction)) * f
+    return student + (batch * f if teacher else 0.0) + 6.0 * batch * seq_len * cfg.codebook_size * cfg.embed_dim

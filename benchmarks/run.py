@@ -159,6 +159,10 @@ def device_name(device: torch.device) -> str:
 
 
 def git_commit() -> str:
+    """``git describe --dirty``, or ``VQLCMD_COMMIT`` where set: scripts/gpu_check.sh sets it from the tree
+    manifest the lease carries (a lent machine's copy of the tree has no .git to describe)."""
+    if os.environ.get("VQLCMD_COMMIT"):
+        return os.environ["VQLCMD_COMMIT"]
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=ROOT,
                               capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"

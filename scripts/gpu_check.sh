@@ -1,22 +1,38 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one bounded run for a machine that is lent for minutes:
-#   1. builds the C++/CUDA extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise),
-#   2. runs the tests marked `gpu` (compiled and Triton kernels against the reference ops on CUDA),
-#   3. runs benchmarks/run.py on the GPU (rows appended per stage, so a cut-off run keeps its stages):
-#      the softmax_embedding_average variants, the compiled ops, then the other stages,
-#   4. runs the quick start's training + evaluation on the GPU (configs/ds_digits.json).
-# Usage: bash scripts/gpu_check.sh OUT_DIR [SECONDS]. Steps run in order, each for at most its own limit
-# and what is left of SECONDS (default 540), so the later ones get nothing once the budget is spent (the
-# limits add up to more than 540 s: choose with STEPS); each logs to OUT_DIR, and a failing step does
-# not stop the later ones. STEPS=name,name,... runs only
-# those steps (names as printed: build, gpu-tests, bench-softmax-bwd, bench-softmax-fwd, bench-compiled,
-# bench, quickstart), e.g. the benchmarks in one lease and the tests in the next. Needs the project's
-# Python dependencies importable (installed, or on PYTHONPATH) and nvcc for the build.
+# The checks that need a GPU, as one bounded run for a machine lent for minutes (issue 32: HEAD verified in one
+# lease of <= 9 minutes from a bare machine). Run `bash scripts/gpu_prepare.sh` here first and carry .whl/:
+#   wheels         installs the carried wheels the image lacks (DeepSpeed and its dependencies), if it lacks them
+#   build          builds the C++/CUDA extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise)
+#   train-32       `deepspeed scripts/train.py --config ds_imagenet.json` (imagenet-246m, bf16, ZeRO 2) with the
+#                  fast step, uncompiled, per-GPU batch 32 (the paper's), 100 steps on a synthetic token set in
+#                  ImageNet layout: images/s and MFU rows from its log steps (benchmarks/train_rows.py)
+#   gpu-tests      every test marked `gpu` (the quick CUDA-extension tests first, the cold-autotuning Triton ones
+#                  last; -v, so a step cut off by its limit still names each result)
+#   train-32c      the same with torch.compile (train.compile): the compiled-vs-eager ratio at batch 32
+#   train-128      batch 128, uncompiled
+#   bench-softmax  the undecided Triton softmax_embedding_average variants (default, delta, rows, first-tile,
+#                  two-pass) against eager and torch.compile, at the goal size only: N=32768 K=1024 D=256 bf16
+#   bench-noise    the compiled ops, with the undecided sliced noise_embeddings backwards beside the default
+#   train-256      batch 256, uncompiled
+# In that order, most valuable rows first: each step runs for at most its own limit and what is left of SECONDS
+# (default 540), so the later ones are cut or skipped once the budget is spent; a failing step does not stop the
+# later ones, and a step cut short keeps its rows (run.py appends on SIGTERM; the training rows come from the
+# log steps the run wrote). STEPS=name,name,... runs only those (also `quickstart`: the digits quick start,
+# not in the default list). Rows (long format, benchmarks/run.py's fields) go to OUT_DIR/rows.jsonl, logs
+# to OUT_DIR/<step>.log; every row's `commit` is .whl/tree.txt's (git describe, plus the manifest's hash for
+# a dirty tree) when the tree here matches .whl/tree.sha256, and says so when it does not.
+# DRY_RUN=1 runs the same steps on CPU at tiny sizes (the `tiny` preset, batches 4/8/16, 8 steps, no
+# compile, the plain python launcher, `run.py --quick` without its torch.compile backend; the extension is
+# built only if it is not), to find script bugs before a lease is spent on them: tests/test_gpu_check.py
+# runs it in CI.
+# Usage: bash scripts/gpu_check.sh OUT_DIR [SECONDS]
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # before the cd below: a relative OUT_DIR is the caller's
 cd "$(dirname "$0")/.."
-deadline=$(( $(date +%s) + ${2:-540} ))
+start=$(date +%s)
+deadline=$(( start + ${2:-540} ))
+dry=${DRY_RUN:-0}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
   # a toolkit's nvcc only: a wrapper script's folder (/usr/local/bin/nvcc gave /usr/local) has no CUDA
@@ -30,50 +46,102 @@ py=$(command -v python3 || command -v python)
 # the system g++ gave a working build. Keep the user's choice only where no system g++ exists.
 if [ -x /usr/bin/g++ ] && [ "${VQLCMD_KEEP_CXX:-0}" != 1 ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 
+# the tree that runs, for every row: prepared here, verified there (the machine's copy has no .git)
+if [ -f .whl/tree.txt ] && [ -f .whl/tree.sha256 ]; then
+  VQLCMD_COMMIT=$(cat .whl/tree.txt)
+  if ! sha256sum --quiet -c .whl/tree.sha256 >"$out/tree-check.txt" 2>&1; then
+    VQLCMD_COMMIT="$VQLCMD_COMMIT, then changed (see tree-check.txt)"
+  fi
+else
+  VQLCMD_COMMIT="$(git describe --always --dirty --abbrev=12 2>/dev/null || echo unknown) (no gpu_prepare manifest)"
+fi
+export VQLCMD_COMMIT
+
 step() {  # step NAME LIMIT_SECONDS COMMAND...: runs COMMAND for at most LIMIT (or what is left), logs it
   local name=$1 limit=$2; shift 2
-  if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return; fi
+  if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return 1; fi
+  if [ -z "${STEPS:-}" ] && [ "$name" = quickstart ]; then return 1; fi
   local left=$(( deadline - $(date +%s) - 5 ))
   (( left < limit )) && limit=$left
-  if (( limit < 10 )); then echo "=== $name: skipped, no time left"; return; fi
+  if (( limit < 10 )); then echo "=== $name: skipped, no time left"; return 1; fi
   local t0; t0=$(date +%s)
-  echo "=== $name (limit ${limit}s): $*"
+  echo "=== $name (limit ${limit}s, at $(( t0 - start ))s): $*"
   timeout --kill-after=5 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   echo "=== $name: exit $rc after $(( $(date +%s) - t0 ))s$( ((rc == 124)) && echo ' (timed out)')"
-  tail -n "${TAIL_LINES:-30}" "$out/$name.log"
+  tail -n "${TAIL_LINES:-20}" "$out/$name.log"
+  return 0
 }
 
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-  "$py" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', \
-triton.__version__, torch.cuda.get_device_name(), 'CUDA_HOME=${CUDA_HOME:-}')"
+  if [ "$dry" = 1 ]; then echo "DRY_RUN: CPU, tiny sizes"; else
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; fi
+  "$py" -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', 'CUDA_HOME=${CUDA_HOME:-}')"
+  echo "commit: $VQLCMD_COMMIT"
 } 2>&1 | tee "$out/env.txt"
 
-MAX_JOBS=${MAX_JOBS:-$(nproc)} step build 240 "$py" setup.py build_ext --inplace
-# on a fresh machine the Triton tests compile and autotune every kernel first: on an H100 the
-# compiled-op and Triton tests alone did not finish in 100 s with a cold cache (and the delta and
-# sliced-backward variants add compiles and cases since)
-# the quick CUDA-extension tests first and the Triton ones (cold autotuning) last, each result named as it
-# comes (-v: a step cut off by its limit prints no summary), the slowest listed to size the next lease
-step gpu-tests 240 "$py" -m pytest -v -p no:cacheprovider -m gpu -rs --durations=15 \
+need=()
+for mod in deepspeed safetensors tqdm; do "$py" -c "import $mod" 2>/dev/null || need+=("$mod"); done
+if (( ${#need[@]} )); then
+  step wheels 60 "$py" -m pip install --no-index --find-links .whl "${need[@]}"
+fi
+
+if [ "$dry" = 1 ] && "$py" -c "import vqlcmd._C" 2>/dev/null; then
+  echo "=== build: the extension is built already (dry run)"
+else
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} step build 150 "$py" setup.py build_ext --inplace
+fi
+
+if [ "$dry" = 1 ]; then
+  preset=tiny overrides='{}' images=256 steps=8 log_every=4 sizes=(4 8 16) compile=false
+  launcher=("$py" scripts/train.py) bench=(--quick --device cpu) softmax=triton,triton-delta  # no CPU compiling
+else
+  preset=imagenet-246m overrides='{"codebook_size": 1024, "embed_dim": 256, "seq_len": 256}' images=4096
+  steps=100 log_every=10 sizes=(32 128 256) compile=true
+  launcher=("$py" scripts/train.py) bench=(--device cuda)
+  softmax=triton,triton-delta,triton-rows,triton-first-tile,triton-two-pass,compile
+  command -v deepspeed >/dev/null && launcher=(deepspeed --num_gpus 1 scripts/train.py)
+fi
+# the runs' end-of-run checkpoints (gigabytes at imagenet-246m) stay out of OUT_DIR: in memory where there is room
+if [ -w /dev/shm ] && (( $(df --output=avail -B1G /dev/shm 2>/dev/null | tail -n 1) + 0 >= 16 )); then
+  runs=$(mktemp -d -p /dev/shm)
+else
+  runs=$(mktemp -d)
+fi
+"$py" benchmarks/synthetic_shards.py "$runs/shards" --preset "$preset" --images "$images" >/dev/null
+
+train() {  # train NAME BATCH COMPILE LIMIT: one training run, then its rows (also when cut short or failed)
+  local name=$1 batch=$2 comp=$3 limit=$4
+  [ "$dry" = 1 ] && comp=false
+  step "$name" "$limit" "${launcher[@]}" --config ds_imagenet.json --no-progress \
+    --set model.preset="$preset" --set "model.overrides=$overrides" --set data.shards="$runs/shards" \
+    --set data.tokenizer=null --set train_batch_size="$batch" --set train.steps="$steps" \
+    --set train.log_every="$log_every" --set train.sample_every=0 --set train.checkpoint_every=0 \
+    --set optimizer.warmup_steps="$log_every" --set train.fast=true --set train.compile="$comp" \
+    --set train.output_dir="$runs/$name" || return 0
+  local backend=fast; [ "$comp" = true ] && backend=fast+compile
+  "$py" benchmarks/train_rows.py "$runs/$name" --backend "$backend" --log "$out/$name.log" \
+    --out "$out/rows.jsonl" 2>&1 | tail -n 3
+  rm -rf "$runs/$name/checkpoints" "$runs/$name/pipeline"  # gigabytes at imagenet-246m, in memory
+}
+
+train train-32 "${sizes[0]}" false 90
+step gpu-tests 150 "$py" -m pytest -v -p no:cacheprovider -m gpu -rs --durations=15 \
   tests/ops tests/pipeline tests/benchmarks tests/kernels
-# the two open goals first, in steps of their own (a step cut short by its limit keeps the rows it had
-# measured: run.py appends them on timeout's SIGTERM): the Triton variants not yet timed against the default and eager
-# (torch.compile and the variants measured slower are left out), then the compiled ops with the
-# sliced noise backward
-step bench-softmax-bwd 100 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
-  --stage softmax_embedding_average --backend triton,triton-delta,triton-rows
-step bench-softmax-fwd 100 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
-  --stage softmax_embedding_average --backend triton,triton-first-tile,triton-two-pass
-step bench-compiled 80 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" --stage compiled_ops
-step bench 120 "$py" benchmarks/run.py --device cuda --out "$out/bench.jsonl" \
-  --stage attention,zero,train_step,sampling,denoiser
-launcher=("$py" scripts/train.py)
-command -v deepspeed >/dev/null && launcher=(deepspeed --num_gpus 1 scripts/train.py)
-run_dir=$(mktemp -d)/digits  # checkpoints and weights stay out of OUT_DIR; the report and grid are copied
-step quickstart 180 "${launcher[@]}" --config ds_digits.json --evaluate --no-progress \
-  --set train.output_dir="$run_dir"
-cp "$run_dir/report.json" "$out/quickstart-report.json" 2>/dev/null
-cp "$run_dir/samples/final.png" "$out/quickstart-samples.png" 2>/dev/null
-echo "=== done, $(( deadline - $(date +%s) ))s of the budget left"
+train train-32c "${sizes[0]}" "$compile" 150
+train train-128 "${sizes[1]}" false 60
+VQLCMD_BENCH_SHAPES=goal step bench-softmax 70 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" \
+  --stage softmax_embedding_average --backend "$softmax"
+step bench-noise 40 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" --stage compiled_ops \
+  --backend compiled,compiled-sliced,compiled-sliced-1
+train train-256 "${sizes[2]}" false 60
+
+qs_dir="$runs/digits"
+if step quickstart 180 "${launcher[@]}" --config ds_digits.json --evaluate --no-progress \
+    --set train.output_dir="$qs_dir"; then
+  cp "$qs_dir/report.json" "$out/quickstart-report.json" 2>/dev/null
+  cp "$qs_dir/samples/final.png" "$out/quickstart-samples.png" 2>/dev/null
+fi
+rm -rf "$runs"
+echo "=== done after $(( $(date +%s) - start ))s, $(( deadline - $(date +%s) ))s of the budget left; rows: $out/rows.jsonl"

@@ -56,10 +56,16 @@ def main(argv=None) -> int:
                              "DeepSpeed one: --set train_batch_size=16 --set zero_optimization.stage=1")
     parser.add_argument("--evaluate", action="store_true",
                         help="after training, sample a class-conditional grid and (digits) report accuracy")
+    parser.add_argument("--fast", action="store_true",
+                        help="the throughput step: --set train.fast=true --set train.compile=true (the whole loss "
+                             "compiled; no host reads inside a step, losses checked at log steps and before every "
+                             "save; see docs/fast_training.md)")
     parser.add_argument("--no-progress", action="store_true")
     add_threads_option(parser)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
+    if args.fast:  # first: a --set of either key after it still decides
+        args.set[:0] = ["train.fast=true", "train.compile=true"]
 
     def apply_sets(deepspeed: bool):
         def apply(section: dict) -> None:

@@ -3,6 +3,11 @@
 ``θ̄ ← η θ̄ + (1-η) θ`` as one fused multi-tensor ``_foreach_lerp_`` over all
 parameters (θ̄ + (1-η)(θ - θ̄)); the shadow stays float32 whatever the dtype of the
 trained weights, so a 0.9999 decay does not vanish in bf16 rounding.
+
+The training engine's fast step updates both EMAs in one ``update_emas`` call (a bf16 source
+cast once for both) and runs the teacher from a bf16 copy of its
+fp32 shadow (``EMA.keep_compute_copy``): the fp32 shadow is the master, as DeepSpeed's fp32
+partitions are the student's, and the forward needs no per-call weight casts under autocast.
 """
 from __future__ import annotations
 
@@ -20,6 +25,23 @@ class EMA:
         # eval(): the shadow runs without dropout. As the CM teacher that is our choice (the paper does not
         # say): its prediction is the student's target, and dropout there would only add noise to it.
         self.module = copy.deepcopy(module).float().eval().requires_grad_(False)
+        self.compute = self.module  # what forwards run on: the shadow, or its copy in a lower precision
+
+    def keep_compute_copy(self, dtype: torch.dtype) -> None:
+        """Forwards run on a ``dtype`` copy of the shadow, refreshed by every update and load (the shadow
+        stays float32: rounded to bf16 itself, updates below its rounding step would be lost)."""
+        if dtype == torch.float32:
+            self.compute = self.module
+            return
+        self.compute = copy.deepcopy(self.module).to(dtype)
+        self._refresh_compute()
+
+    @torch.no_grad()
+    def _refresh_compute(self) -> None:
+        if self.compute is not self.module:
+            torch._foreach_copy_(list(self.compute.parameters()), list(self.module.parameters()))
+            for mine, master in zip(self.compute.buffers(), self.module.buffers()):
+                mine.copy_(master)
 
     @torch.no_grad()
     def update(self, source: nn.Module) -> None:
@@ -29,6 +51,10 @@ class EMA:
             raise ValueError("EMA source has a different parameter list than its shadow")
         params = [p if p.dtype == torch.float32 else p.float() for p in params]
         torch._foreach_lerp_(shadow, params, 1.0 - self.decay)
+        self._copy_buffers(source)
+        self._refresh_compute()
+
+    def _copy_buffers(self, source: nn.Module) -> None:
         # persistent buffers only: the non-persistent ones are fixed tables the model rebuilds (the
         # denoiser's positions), and the bf16 source's copies would round the shadow's fp32 ones
         shadow_buffers = dict(self.module.named_buffers())
@@ -42,6 +68,23 @@ class EMA:
     def load_state_dict(self, state: dict) -> None:
         self.decay = float(state["decay"])
         self.module.load_state_dict(state["module"])
+        self._refresh_compute()
+
+
+@torch.no_grad()
+def update_emas(emas: list, source: nn.Module) -> None:
+    """``EMA.update`` of several EMAs of one source, each one multi-tensor ``_foreach_lerp_``, with a bf16
+    source's parameters cast to float32 once for all of them, not once per EMA (same values as updating
+    each on its own)."""
+    params = [p.detach() for p in source.parameters()]
+    params = [p if p.dtype == torch.float32 else p.float() for p in params]
+    for ema in emas:
+        shadow = list(ema.module.parameters())
+        if len(shadow) != len(params):
+            raise ValueError("EMA source has a different parameter list than its shadow")
+        torch._foreach_lerp_(shadow, params, 1.0 - ema.decay)
+        ema._copy_buffers(source)
+        ema._refresh_compute()
 
 
 def _is_persistent(module: nn.Module, name: str) -> bool:

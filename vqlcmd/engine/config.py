@@ -165,7 +165,11 @@ class TrainSection:
     sample_every: int = 500
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
-    compile: bool = False  # torch.compile the denoiser
+    compile: bool = False  # torch.compile the denoiser (with fast: the whole loss, student and teacher)
+    # The throughput step (Trainer._train_step_fast): no host reads inside a step (losses checked and logged at
+    # log steps, before every checkpoint), both EMAs in one multi-tensor update, the teacher forward on a bf16
+    # copy of its fp32 EMA under bf16. Same draws and updates as the default step; see docs/fast_training.md
+    fast: bool = False
     backend: str = "auto"  # backend of the fused ops
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
 

@@ -24,10 +24,12 @@ from ..diffusion import training_losses
 from ..ema import EMA
 from ..embedding import collapse_indicator
 from ..model import attention_backend_for, preset_config
+from ..model.attention import sdpa_kernel_for
 from ..network import VQLCMDNetwork
 from ..pipeline import VQLCMDPipeline
 from ..schedule import ShiftedCosineSchedule
 from . import checkpoint as ckpt
+from . import fast
 from .config import ConfigError, VQLCMDConfig, check_deepspeed_section, repo_path
 from .data import check_data_paths, open_data
 from .distributed import (agree_on_setup, barrier, data_fingerprint, data_identity, exchanged, init_distributed,
@@ -92,7 +94,7 @@ class LossModule(nn.Module):
         if self.method == "maskgit":
             return maskgit_losses(self.net, tokens, labels, self.maskgit_cfg, label_drop=self.loss_cfg.label_drop,
                                   generator=generator)
-        return training_losses(self.net, self.teacher.module, self.schedule, tokens, labels, self.loss_cfg,
+        return training_losses(self.net, self.teacher.compute, self.schedule, tokens, labels, self.loss_cfg,
                                generator=generator, backend=self.backend)
 
 
@@ -240,10 +242,17 @@ class Trainer:
         module = LossModule(net, self.teacher, self.schedule, cfg).to(self.device)
         self.teacher.module.to(self.device)
         self.sampling_ema.module.to(self.device)
+        if cfg.train.fast and self.bf16:
+            # the teacher forward on a bf16 copy of its fp32 EMA (the master), as the student's bf16 weights have
+            # DeepSpeed's fp32 partitions: no per-call weight casts under autocast
+            self.teacher.keep_compute_copy(torch.bfloat16)
         if cfg.train.compile:
             # in place: torch.compile(module) would wrap it, and its state-dict keys (_orig_mod.*) would no
-            # longer match a checkpoint written without compile, nor the other way round
-            net.denoiser.compile()
+            # longer match a checkpoint written without compile, nor the other way round. The fast step compiles
+            # the whole loss: student forward (and, through AOTAutograd, its backward), the teacher forward and
+            # the fused ops in between; the generator's draws stay eager (graph breaks), so the random
+            # streams are the default step's
+            (module if cfg.train.fast else net.denoiser).compile()
         # checkpoints of compiled runs from before that change hold the wrapper's _orig_mod.* keys
         net.denoiser.register_load_state_dict_pre_hook(_strip_compile_prefix)
         optimizer = build_optimizer(module.parameters(), cfg.optimizer, self.device)
@@ -264,26 +273,35 @@ class Trainer:
         self.step = 0
         self.step_lr, self.own_grad_norm = 0.0, None
         self.signal_seen, self.stop_agreed = None, False  # a SIGINT / SIGTERM on this rank; on any rank
+        self.pending, self.bad_grads = [], torch.zeros((), dtype=torch.bool, device=self.device)  # train.fast's
         attn = den_cfg.attention_backend
         if attn == "auto":  # what auto takes for this model's attention: (1, heads, M, head dim)
             attn = attention_backend_for(torch.empty(1, den_cfg.heads, den_cfg.seq_len, den_cfg.width // den_cfg.heads,
                                                      device=self.device,
                                                      dtype=torch.bfloat16 if self.bf16 else torch.float32),
                                          den_cfg.attn_dropout)
+        if attn == "sdpa":  # which of SDPA's kernels takes the model's attention, with its dropout, in training
+            attn = "sdpa/" + sdpa_kernel_for(
+                torch.empty(1, den_cfg.heads, den_cfg.seq_len, den_cfg.width // den_cfg.heads, device=self.device,
+                            dtype=torch.bfloat16 if self.bf16 else torch.float32), den_cfg.attn_dropout)
         self.log(f"vqlcmd: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters, preset "
                  f"{cfg.model.preset}, method {cfg.method}, K={den_cfg.codebook_size} M={den_cfg.seq_len} "
                  f"D={den_cfg.embed_dim}, "
                  f"{self.world} rank(s) x micro-batch {micro} x accumulation {gas}, ZeRO stage "
                  f"{_zero_stage(ds)}, {'bf16' if self.bf16 else 'fp32'} ({bf16_why}), "
-                 f"attention {attn}, device {self.device}")
+                 f"attention {attn}, device {self.device}"
+                 + (", fast step" + (" compiled" if cfg.train.compile else "") if cfg.train.fast else ""))
         for warning in run_length_warnings(cfg):
             self.log(f"warning: {warning}")
         self.tb = None
         if self.rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.tb = SummaryWriter(str(self.out_dir / "tb"))
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # a bare GPU image: metrics.jsonl holds the same scalars
+                self.log("tensorboard is not installed: no event files (the scalars go to metrics.jsonl)")
+            else:
+                self.tb = SummaryWriter(str(self.out_dir / "tb"))
         self.resolved_config = {**ds, "vqlcmd": cfg.to_dict()}
         self.resumes: list = []  # the resumes that changed settings, oldest first (see load)
         # a resume's config.json waits until its checkpoint has loaded and it has steps to train (see train):
@@ -330,6 +348,8 @@ class Trainer:
 
     # ---- one step -----------------------------------------------------------------------------
     def train_step(self, batches) -> dict:
+        if self.cfg.train.fast:  # the terms come back unread: fast.flush reads them
+            return fast.train_step(self, batches)
         terms = {}
         self.step_lr = self.engine.get_lr()[0]  # the rate this step uses: the scheduler has moved on by the log
         for micro in range(self.gas):
@@ -371,6 +391,14 @@ class Trainer:
     def _last_checkpoint_words(self) -> str:
         tag = ckpt.latest_tag(self.ckpt_dir)
         return f"the last checkpoint, {self.ckpt_dir / tag}, is intact" if tag else "no checkpoint was written yet"
+
+    def _flushes_at(self, step: int, stop: int) -> bool:
+        """Where the fast step reads its deferred terms: at log steps, before every save or grid, at the last
+        step, and at once on a signal when there is one rank (with several, all must meet in the collective)."""
+        cfg = self.cfg.train
+        return (self._logs_at(step) or step == stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                or (cfg.sample_every and step % cfg.sample_every == 0)
+                or (self.world == 1 and self.signal_seen is not None))
 
     def _logs_at(self, step: int) -> bool:
         return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
@@ -471,7 +499,15 @@ class Trainer:
         train_seconds, step_last = 0.0, self.step
         while self.step < stop and not self.stop_agreed:
             t0 = time.perf_counter()
-            terms = self.train_step(batches)  # ends in a read-back of the losses: the step is done
+            terms = self.train_step(batches)  # the default step ends in a read-back of the losses: it is done
+            if cfg.fast:  # the flush's read-back ends the steps since the last one: the time is theirs
+                if not self._flushes_at(self.step, stop):
+                    train_seconds += time.perf_counter() - t0
+                    bar.update(1)
+                    continue
+                rows = fast.flush(self)
+                terms = {k: v for k, v in rows[-1].items() if k != "step"}
+                history.extend(rows[:-1])
             train_seconds += time.perf_counter() - t0
             history.append({"step": self.step, **terms})
             bar.update(1)
@@ -487,13 +523,19 @@ class Trainer:
                 self.save_sample_grid()
 
     def _log_scalars(self, terms: dict, images_per_s: float) -> None:
+        if self.rank != 0:
+            return
+        gn = self.engine.get_global_grad_norm()
+        gn = self.own_grad_norm if gn is None else gn
+        # the log steps' scalars as JSON lines too: readable without tensorboard (the GPU check's throughput rows)
+        row = {"step": self.step, **terms, "lr": self.step_lr, "images_per_s": images_per_s,
+               "grad_norm": None if gn is None else float(gn), "micro_batch": self.micro, "ranks": self.world}
+        with open(self.out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
         if self.tb is None:
             return
         for k, v in terms.items():
             self.tb.add_scalar(f"loss/{k}", v, self.step)
-        gn = self.engine.get_global_grad_norm()
-        if gn is None:
-            gn = self.own_grad_norm
         if gn is not None:
             self.tb.add_scalar("train/grad_norm", float(gn), self.step)
         self.tb.add_scalar("train/lr", self.step_lr, self.step)

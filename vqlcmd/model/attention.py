@@ -47,6 +47,36 @@ def attention_backend_for(q: torch.Tensor, dropout_p: float) -> str:
     return "sdpa"
 
 
+# SDPA's kernels by the aten op each runs as (the names torch dispatches to)
+_SDPA_KERNELS = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_cudnn_attention": "cudnn",
+                 "_scaled_dot_product_efficient_attention": "efficient",
+                 "_scaled_dot_product_flash_attention_for_cpu": "flash-cpu",
+                 "_scaled_dot_product_attention_math": "math", "_scaled_dot_product_fused_attention_overrideable":
+                 "overrideable"}
+
+
+def sdpa_kernel_for(q: torch.Tensor, dropout_p: float) -> str:
+    """Which of SDPA's kernels (flash, cudnn, efficient, flash-cpu, math) runs a training call on q, k, v
+    shaped like ``q`` with this dropout: one call is made and the aten op it dispatches to is read, so the
+    answer is what ran, not a guess at torch's priority rules (which change between releases)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name in _SDPA_KERNELS:
+                seen.append(_SDPA_KERNELS[name])
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros_like(q, requires_grad=True)  # grad mode on: the kernel that trains, not inference's
+    with torch.random.fork_rng(devices=[q.device] if q.is_cuda else []), Record():
+        F.scaled_dot_product_attention(x, x, x, dropout_p=dropout_p, is_causal=False)
+    # the math path is composite: it reaches dispatch as matmuls, a softmax and a dropout, no op of its own
+    return seen[0] if seen else "math"
+
+
 def _compiled_why_not(q: torch.Tensor):
     """Why the CPU short-sequence kernel cannot take q, k, v shaped like ``q`` (None: it can)."""
     from .. import ops

@@ -1,6 +1,7 @@
 """Input validation shared by every backend: errors name the argument and the problem."""
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
@@ -43,11 +44,38 @@ def ids_checked(tokens: torch.Tensor) -> bool:
     name), and the reference ops' indexing stops with a device-side assert. Under ``torch.compile``
     the read-back is a data-dependent branch the graph cannot hold, so there the kernels' own checks
     (the CPU kernels raise the same error) are the check."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _checked_upstream:
         return False
     if tokens.device.type != "cuda":
         return True
     return id_checks_switch() and not torch.cuda.is_current_stream_capturing()
+
+
+_checked_upstream = False
+
+
+@contextlib.contextmanager
+def checked_upstream():
+    """Inside it the ids and class labels are trusted, on every device: the training engine's fast step,
+    whose loader opened shards whose id and label ranges were verified, so that a range check's read-back
+    (a host sync per op call) is not paid again at every step. It also sets ``VQLCMD_CHECK_IDS`` to 0 for
+    its span, the switch the compiled CUDA kernels read at each call for their own check's read-back."""
+    global _checked_upstream
+    before, env = _checked_upstream, os.environ.get("VQLCMD_CHECK_IDS")
+    _checked_upstream = True
+    os.environ["VQLCMD_CHECK_IDS"] = "0"
+    try:
+        yield
+    finally:
+        _checked_upstream = before
+        if env is None:
+            del os.environ["VQLCMD_CHECK_IDS"]
+        else:
+            os.environ["VQLCMD_CHECK_IDS"] = env
+
+
+def inputs_checked_upstream() -> bool:
+    return _checked_upstream
 
 
 def id_checks_switch() -> bool:

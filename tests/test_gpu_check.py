@@ -1,0 +1,67 @@
+"""scripts/gpu_check.sh in its dry-run mode (DRY_RUN=1: CPU, tiny sizes): the lease's script, run end to end in CI
+so that a lease is never spent on a script bug. About 3-5 minutes on 2 cores (four short training runs)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "STEPS", "VQLCMD_COMMIT")}
+    return {**env, "DRY_RUN": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+@pytest.mark.slow
+def test_the_dry_run_runs_every_step_and_writes_rows_naming_the_tree(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "900"], env=_env(),
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    said = done.stdout
+    for name in ("train-32", "gpu-tests", "train-32c", "train-128", "bench-softmax", "bench-noise", "train-256"):
+        assert f"=== {name}: exit 0" in said, (name, said[-4000:])
+    assert "quickstart" not in said  # only when STEPS names it
+    commit = next(line.split(": ", 1)[1] for line in (out / "env.txt").read_text().splitlines()
+                  if line.startswith("commit: "))
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert rows and all(r["commit"] == commit for r in rows)
+    summaries = [r for r in rows if r["stage"] == "train" and r["case"] == "summary"]
+    # the four runs, each with a steady interval after its first: batches 4 (twice: the compiled run's place,
+    # uncompiled on CPU), 8, 16
+    assert sorted(r["shape"] for r in summaries) == ["tiny B16 x1 ranks", "tiny B4 x1 ranks", "tiny B4 x1 ranks",
+                                                     "tiny B8 x1 ranks"]
+    assert all(r["status"] == "ok" and r["extra"]["images/s"] > 0 and r["extra"]["TFLOP/step"] > 0
+               for r in summaries)
+    assert {(r["stage"], r["backend"]) for r in rows if r["stage"] != "train"} >= {
+        ("softmax_embedding_average", "eager"), ("compiled_ops", "compiled")}
+    tests = (out / "gpu-tests.log").read_text()  # collected, and skipped without CUDA: none failed or erred
+    assert " skipped" in tests and " failed" not in tests and " error" not in tests
+
+
+def test_a_failed_run_leaves_a_failed_row_naming_its_error(tmp_path):
+    """benchmarks/train_rows.py on a run that died before its second log step: one failed summary row whose
+    reason is the log's last error line, rows for the intervals it did log."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+        "vqlcmd": {"model": {"preset": "tiny", "overrides": {}}, "loss": {"l0_fraction": 1.0, "beta_cm": 1.0},
+                   "train": {"log_every": 4}}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 1.0, "images_per_s": 10.0, "ranks": 1}) + "\n")
+    log = tmp_path / "train.log"
+    log.write_text("step 4\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    out = tmp_path / "rows.jsonl"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_rows.py"), str(run), "--backend", "fast",
+                           "--log", str(log), "--out", str(out)], env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["case"] for r in rows] == ["train step", "summary"]
+    assert rows[0]["median_ms"] == pytest.approx(400.0) and rows[0]["extra"]["step"] == 4  # 4 images at 10/s
+    assert rows[1]["status"] == "failed" and "OutOfMemoryError" in rows[1]["reason"]
