@@ -432,6 +432,19 @@ def test_logged_lr_is_the_one_each_step_used_and_grad_norm_is_logged(tmp_path, t
     assert norms[0] == pytest.approx(norms[1], rel=1e-4)
 
 
+def test_the_embedding_tables_mean_row_norm_is_logged_beside_the_losses(tmp_path, tiny_shards, trainer):
+    """L_DM and L_CM scale with the table's norm: their curves are read against embedding/mean_row_norm, the mean
+    Euclidean norm of the K token rows (the [mask] row left out), logged at each log step."""
+    tr = trainer(tmp_path, tiny_shards, steps=3, log_every=1)
+    tr.train(progress=False)
+    logged = _scalars(tmp_path / "run")["embedding/mean_row_norm"]
+    assert [s for s, _ in logged] == [1, 2, 3]
+    rows = tr.net.embedding.table()[:16].detach().double()  # the tiny preset's K = 16
+    want = sum(math.sqrt(sum(float(x) ** 2 for x in row)) for row in rows) / len(rows)
+    assert logged[-1][1] == pytest.approx(want, rel=1e-6)
+    assert logged[0][1] != pytest.approx(logged[-1][1], rel=1e-9)  # read at each log step, not once
+
+
 def test_a_signal_stops_at_the_step_boundary_with_a_checkpoint_and_the_run_resumes_exactly(
         tmp_path, tiny_shards, trainer, monkeypatch):
     """Ctrl-C or a preemption's SIGTERM lost everything since the last checkpoint (a raw KeyboardInterrupt)."""

@@ -542,8 +542,11 @@ class Trainer:
         self.tb.add_scalar("train/images_per_s", images_per_s, self.step)
         self.tb.add_scalar("train/tokens_per_s", images_per_s * self.net.config.seq_len, self.step)
         K = self.net.config.codebook_size
-        self.tb.add_scalar("embedding/collapse_indicator", collapse_indicator(self.net.embedding.table()[:K]),
-                           self.step)
+        table = self.net.embedding.table()[:K].detach().float()
+        self.tb.add_scalar("embedding/collapse_indicator", collapse_indicator(table), self.step)
+        # L_DM and L_CM are sums over tokens of squared distances between embeddings, so they grow with the
+        # table's scale: read their curves beside it (a growing norm is the shortcut dropping is meant to stop)
+        self.tb.add_scalar("embedding/mean_row_norm", float(table.norm(dim=-1).mean()), self.step)
         self.tb.flush()
 
     # ---- samples, pipeline --------------------------------------------------------------------
