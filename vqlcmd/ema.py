@@ -43,16 +43,8 @@ class EMA:
             for mine, master in zip(self.compute.buffers(), self.module.buffers()):
                 mine.copy_(master)
 
-    @torch.no_grad()
     def update(self, source: nn.Module) -> None:
-        shadow = list(self.module.parameters())
-        params = [p.detach() for p in source.parameters()]
-        if len(shadow) != len(params):
-            raise ValueError("EMA source has a different parameter list than its shadow")
-        params = [p if p.dtype == torch.float32 else p.float() for p in params]
-        torch._foreach_lerp_(shadow, params, 1.0 - self.decay)
-        self._copy_buffers(source)
-        self._refresh_compute()
+        update_emas([self], source)
 
     def _copy_buffers(self, source: nn.Module) -> None:
         # persistent buffers only: the non-persistent ones are fixed tables the model rebuilds (the

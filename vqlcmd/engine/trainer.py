@@ -275,15 +275,13 @@ class Trainer:
         self.signal_seen, self.stop_agreed = None, False  # a SIGINT / SIGTERM on this rank; on any rank
         self.pending, self.bad_grads = [], torch.zeros((), dtype=torch.bool, device=self.device)  # train.fast's
         attn = den_cfg.attention_backend
-        if attn == "auto":  # what auto takes for this model's attention: (1, heads, M, head dim)
-            attn = attention_backend_for(torch.empty(1, den_cfg.heads, den_cfg.seq_len, den_cfg.width // den_cfg.heads,
-                                                     device=self.device,
-                                                     dtype=torch.bfloat16 if self.bf16 else torch.float32),
-                                         den_cfg.attn_dropout)
+        # a query shaped like the model's attention's: (1, heads, M, head dim)
+        probe = torch.empty(1, den_cfg.heads, den_cfg.seq_len, den_cfg.width // den_cfg.heads, device=self.device,
+                            dtype=torch.bfloat16 if self.bf16 else torch.float32)
+        if attn == "auto":  # what auto takes for this model's attention
+            attn = attention_backend_for(probe, den_cfg.attn_dropout)
         if attn == "sdpa":  # which of SDPA's kernels takes the model's attention, with its dropout, in training
-            attn = "sdpa/" + sdpa_kernel_for(
-                torch.empty(1, den_cfg.heads, den_cfg.seq_len, den_cfg.width // den_cfg.heads, device=self.device,
-                            dtype=torch.bfloat16 if self.bf16 else torch.float32), den_cfg.attn_dropout)
+            attn = "sdpa/" + sdpa_kernel_for(probe, den_cfg.attn_dropout)
         self.log(f"vqlcmd: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters, preset "
                  f"{cfg.model.preset}, method {cfg.method}, K={den_cfg.codebook_size} M={den_cfg.seq_len} "
                  f"D={den_cfg.embed_dim}, "
