@@ -4,10 +4,7 @@ Issue 4's figures: at N = 16384 rows (B=64, M=256), K = 1024, D = 256 on CPU,
 categorical_kl forward+backward >= 3x faster than reference with <= 1/3 of its
 extra peak memory, noise_embeddings and ddim_teacher_step >= 2x. On a GPU each
 kernel also reports its achieved bandwidth (bytes it must move / time) as a
-fraction of the card's measured copy bandwidth (goal >= 0.85), and noise_embeddings
-fwd+bwd is timed twice more, as ``compiled-sliced``: the backward summing into a slice
-of the table in shared memory (VQLCMD_NOISE_BACKWARD=sliced) instead of atomics
-into the table in memory, and ``compiled-sliced-1``: the same in one row split.
+fraction of the card's measured copy bandwidth (goal >= 0.85).
 
 On CPU also gelu_tanh (the denoiser's MLP nonlinearity; no CUDA kernel) over
 (N, 4 D) activations, against PyTorch's tanh GELU, and ada_layer_norm (the
@@ -16,29 +13,15 @@ student forward, against PyTorch's LayerNorm plus the two broadcast ops.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from benchmarks.harness import (Context, Record, Result, StageSkipped, Timing, describe_error, environment,
-                                failed_case, kernel_sum_ms, measure, with_graph_timing)
+from benchmarks.harness import (Context, Record, Result, StageSkipped, Timing, describe_error, failed_case,
+                                kernel_sum_ms, measure, with_graph_timing)
 from vqlcmd import ops
 
 STAGE = "compiled_ops"
-# variants of the compiled backend, timed beside it on a GPU: name -> (the case it changes, the
-# environment it runs under; read by the CUDA launcher at each call, so also while a graph is captured)
-VARIANTS = {
-    "compiled-sliced": ("noise_embeddings fwd+bwd", {"VQLCMD_NOISE_BACKWARD": "sliced"}),
-    # one row split: half the SMs, no zero-fill and no atomics into memory
-    "compiled-sliced-1": ("noise_embeddings fwd+bwd",
-                          {"VQLCMD_NOISE_BACKWARD": "sliced", "VQLCMD_NOISE_SLICED_SPLITS": "1"}),
-}
-
-
-def _under(fn, env: dict):
-    def run():
-        with environment(env):
-            return fn()
-    return run
-
 
 def _shapes(ctx: Context) -> dict:
     return dict(B=2, M=16, K=64, D=32) if ctx.quick else dict(B=64, M=256, K=1024, D=256)
@@ -187,14 +170,6 @@ def _cases(ctx: Context):
 GOAL_FRACTION = 0.85
 
 
-def _maker(make, backend: str, variants: dict):
-    """A builder of a fresh (fn, setup) for ``backend``: a variant runs the compiled op under its environment."""
-    def build():
-        fn, setup = make("compiled" if backend in variants else backend)
-        return (_under(fn, variants[backend]) if backend in variants else fn), setup
-    return build
-
-
 def _kernel_fraction(build, device: torch.device, nbytes: int, copy_bps: float) -> dict:
     """Where a graph replay falls short of the goal, the fraction of copy bandwidth over the device time of
     the kernels alone (profiler sum). A replay also times what the graph does around them: PyTorch's
@@ -219,10 +194,8 @@ def run(ctx: Context) -> list[Record]:
     results = []
     for op, case, shape, nbytes, make in _cases(ctx):
         timings: dict = {}  # backend -> (Timing, how it was timed)
-        variants = {name: env for name, (where, env) in VARIANTS.items()
-                    if where == f"{op} {case}" and ctx.device.type == "cuda"}
-        makers = {b: _maker(make, b, variants) for b in ("reference", "compiled", *variants)
-                  if b == "reference" or ctx.wants(b)}
+        # each builds a fresh (fn, setup) for its backend
+        makers = {b: functools.partial(make, b) for b in ("reference", "compiled") if b == "reference" or ctx.wants(b)}
         for backend, build in makers.items():
             try:
                 fn, setup = build()

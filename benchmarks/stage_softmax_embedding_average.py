@@ -3,21 +3,19 @@
 ``eager`` (the baseline) is what one writes in PyTorch, ``softmax(logits, -1) @ table`` in the
 inputs' dtype, which keeps the (N, K) probabilities for the backward; ``compile`` is
 ``torch.compile`` of the same function; ``triton`` is ``vqlcmd.ops`` with ``backend="triton"`` and
-its default kernels (the one-pass forward; in the backward, for 16-bit inputs, "mm": the dlogits
-kernel also writes P and cuBLAS computes dtable); ``triton-fused`` is the same with
+its default kernels (for 16-bit inputs: the "first-tile" forward, the product against a fixed per-row
+max; in the backward "mm", whose "rows" dlogits kernel also writes P for cuBLAS to compute dtable);
+``triton-one-pass`` is the default with ``VQLCMD_TRITON_FORWARD=fused`` (the one-pass online-softmax
+forward, the float32 default), timed in every case; ``triton-tiles`` the default with
+``VQLCMD_TRITON_DLOGITS=tiles`` (dlogits one (rows, classes) tile per program, after a delta kernel;
+the float32 default), timed for ``fwd+bwd`` only; ``triton-fused`` is the default with
 ``VQLCMD_TRITON_BACKWARD=fused`` (one FlashAttention-2-style backward kernel) and ``triton-split``
 with ``VQLCMD_TRITON_BACKWARD=split`` (separate dlogits and dtable kernels, the float32 default),
 each timed for ``fwd+bwd`` only, the one case it changes; ``triton-chunked`` sets
 ``VQLCMD_TRITON_FORWARD`` and ``VQLCMD_TRITON_BACKWARD`` to ``chunked`` (the softmax parts in
-Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` sets the chunk);
-``triton-delta`` is the default with ``VQLCMD_TRITON_DELTA=fused`` (the dlogits kernel sums
-delta = rowsum(dY ∘ Y) itself, no delta kernel), timed for ``fwd+bwd`` only; ``triton-first-tile``
-and ``triton-two-pass`` are the default with ``VQLCMD_TRITON_FORWARD=first-tile`` / ``two-pass`` (the
-product against a fixed per-row max, with no online rescaling: the first K tile's max, or each row's
-own from a first sweep), timed in every case; ``triton-rows`` is the default with
-``VQLCMD_TRITON_DLOGITS=rows`` (dlogits by blocks of whole rows with dY on chip, delta summed there),
-timed for ``fwd+bwd`` only. So one GPU run says which variant is faster; the
-forward and the delta choices are separate kernels, so their savings add.
+Triton, the products in cuBLAS, chunk by chunk; ``VQLCMD_TRITON_CHUNK_ROWS`` sets the chunk). So
+one GPU run says which variant is faster; the forward and the dlogits choices are separate kernels,
+so their savings add.
 Cases: ``fwd`` (no grad), ``fwd+bwd`` (both inputs, non-unit upstream gradient) and ``guided``
 (the samplers' classifier-free-guided variant, ω = 1). The goal case of issue 5 is
 N = 32768 (B 128 × M 256), K = 1024, D = 256 in bf16 on a GPU: fwd+bwd ≥ 1.5× eager, and at
@@ -41,20 +39,17 @@ BASELINE = "eager"
 GUIDANCE = 1.0
 # triton backends -> the variant switches they run under (read by the kernels' launchers at each call);
 # every one is set, so that the caller's environment does not change what a name measures
-_DEFAULTS = {"VQLCMD_TRITON_FORWARD": "fused", "VQLCMD_TRITON_BACKWARD": "auto", "VQLCMD_TRITON_DELTA": "kernel",
-             "VQLCMD_TRITON_DLOGITS": "tiles"}
+_DEFAULTS = {"VQLCMD_TRITON_FORWARD": "auto", "VQLCMD_TRITON_BACKWARD": "auto", "VQLCMD_TRITON_DLOGITS": "auto"}
 VARIANTS = {
     "triton": _DEFAULTS,
+    "triton-one-pass": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "fused"},
+    "triton-tiles": {**_DEFAULTS, "VQLCMD_TRITON_DLOGITS": "tiles"},
     "triton-fused": {**_DEFAULTS, "VQLCMD_TRITON_BACKWARD": "fused"},
     "triton-chunked": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "chunked", "VQLCMD_TRITON_BACKWARD": "chunked"},
     "triton-split": {**_DEFAULTS, "VQLCMD_TRITON_BACKWARD": "split"},
-    "triton-delta": {**_DEFAULTS, "VQLCMD_TRITON_DELTA": "fused"},
-    "triton-rows": {**_DEFAULTS, "VQLCMD_TRITON_DLOGITS": "rows"},
-    "triton-first-tile": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "first-tile"},
-    "triton-two-pass": {**_DEFAULTS, "VQLCMD_TRITON_FORWARD": "two-pass"},
 }
 # the variants that change only the backward: their forward and guided rows would repeat triton's
-BACKWARD_ONLY = ("triton-fused", "triton-split", "triton-delta", "triton-rows")
+BACKWARD_ONLY = ("triton-fused", "triton-split", "triton-tiles")
 
 
 def _shapes(ctx: Context) -> list[tuple[int, int, int]]:

@@ -22,31 +22,26 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages) beyond _CONFIGS: bigger and deeper tiles
-_FIXED_MAX_EXTRA = [(64, 128, 256, 4, 2), (128, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 64, 256, 4, 2)]
 EXTRA = {
     "forward": [(128, 64, 256, 8, 2), (128, 128, 256, 8, 2), (64, 64, 256, 4, 4), (128, 64, 256, 4, 3),
                 (64, 32, 256, 4, 4), (128, 32, 256, 4, 4)],
-    # VQLCMD_TRITON_FORWARD=first-tile / two-pass: no rescaling between products, so longer K tiles may pay
-    "forward_first_tile": _FIXED_MAX_EXTRA,
-    "forward_two_pass": _FIXED_MAX_EXTRA,
+    # the first-tile forward (the 16-bit default): no rescaling between products, so longer K tiles may pay
+    "forward_first_tile": [(64, 128, 256, 4, 2), (128, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 64, 256, 4, 2)],
     "grad_logits": [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3),
                     (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
-    # the mm backward's dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused) and writing P
-    "grad_logits+delta": [(128, 256, 64, 8, 3), (128, 64, 256, 8, 2), (128, 128, 64, 8, 4)],
-    # VQLCMD_TRITON_DLOGITS=rows: whole rows of dY on chip, K swept (P written, delta summed there)
+    # the rows dlogits kernel (the 16-bit default): whole rows of dY on chip, K swept (P written, delta summed there)
     "grad_logits_rows": [(64, 32, 256, 4, 2), (128, 32, 256, 8, 4), (64, 16, 256, 4, 4), (128, 128, 256, 8, 2)],
     "grad_table": [(128, 128, 256, 8, 2), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 256, 128, 8, 2),
                    (128, 128, 128, 8, 4), (32, 128, 256, 8, 4)],
 }
 # a sweep whose kernel the autotuner tunes under another name (its configurations and its pick)
-TUNED_AS = {"grad_logits+delta": "grad_logits", "forward_first_tile": "forward_fixed_max",
-            "forward_two_pass": "forward_fixed_max"}
+TUNED_AS = {"forward_first_tile": "forward_fixed_max"}
 
 
 def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dtype):
     """(launcher, tensors): ``launcher(name, cfg)`` returns a call of that kernel alone at that tile
     (BLOCK_M, BLOCK_K, BLOCK_D, num_warps, num_stages), on the inputs in ``tensors``, writing the outputs
-    there: ``out`` and ``lse`` (both forwards), ``grad_logits`` (and ``p`` for grad_logits+delta) and ``dst``
+    there: ``out`` and ``lse`` (the forwards), ``grad_logits`` (and ``p`` for grad_logits_rows) and ``dst``
     (dtable, added to: zero it first)."""
     import triton
 
@@ -58,12 +53,11 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
     logits = (3 * torch.randn(N, K, device=device, generator=g)).to(dtype)
     table = torch.randn(K, D, device=device, generator=g).to(dtype)
     dy = torch.randn(N, D, device=device, generator=g).to(dtype)
-    out, lse = sea.forward(logits, table)  # the public launchers autotune, so their picks can be printed
+    # the public launchers autotune, so their picks can be printed; both forwards and dlogits kernels
+    out, lse = sea.forward(logits, table, variant="fused")
     sea.forward(logits, table, variant="first-tile")
-    sea.forward(logits, table, variant="two-pass")
-    sea.backward(dy, out, lse, logits, table)
-    if _launch.rows_fit(D, _launch.dot_dtype(logits, table)):
-        with environment({"VQLCMD_TRITON_DLOGITS": "rows"}):
+    for dlogits in ("tiles", "rows"):
+        with environment({"VQLCMD_TRITON_DLOGITS": dlogits}):
             sea.backward(dy, out, lse, logits, table)
     t = dict(logits=logits, table=table, dy=dy, out=out, lse=lse, grad_logits=torch.empty_like(logits),
              p=torch.empty_like(logits), delta=(dy.float() * out.float()).sum(-1), dst=torch.zeros(K, D, device=device))
@@ -75,23 +69,17 @@ def make_launcher(N: int, K: int, D: int, device: torch.device, dtype: torch.dty
         if name == "forward":
             return lambda: sea._forward_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
                 logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False, **blk)
-        if name in ("forward_first_tile", "forward_two_pass"):  # its heuristics set EVEN_K and EVEN_D
+        if name == "forward_first_tile":  # its heuristics set EVEN_K and EVEN_D
             return lambda: sea._forward_fixed_max_kernel[(triton.cdiv(N, m), triton.cdiv(D, d))](
-                logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False,
-                MAX_FIRST=name == "forward_two_pass", MAX_GAP=sea.max_gap(dot), **blk)
+                logits, logits, table, t["out"], t["lse"], N, K, D, 0.0, GUIDED=False, MAX_GAP=sea.max_gap(dot), **blk)
         if name == "grad_logits":  # the split variant's kernel: no P output (its pointer is never read)
             return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
-                logits, table, dy, out, lse, t["lse"], t["delta"], t["grad_logits"], logits, N, K, D,
-                STORE_P=False, FUSED_DELTA=False, HAS_GRAD_LSE=False, **blk)
+                logits, table, dy, t["lse"], t["delta"], t["grad_logits"], logits, N, K, D, STORE_P=False, **blk)
         if name == "grad_logits_rows":  # delta summed in the kernel (from dY and out), P written; whole rows
             rows_blk = dict(blk, BLOCK_D=max(d, triton.next_power_of_2(D)))
             return lambda: sea._grad_logits_rows_kernel[(triton.cdiv(N, m),)](
                 logits, table, dy, out, lse, t["lse"], t["grad_logits"], t["p"], N, K, D,
                 STORE_P=True, HAS_GRAD_LSE=False, **rows_blk)
-        if name == "grad_logits+delta":  # delta summed in the kernel (from dY and out), P written
-            return lambda: sea._grad_logits_kernel[(triton.cdiv(N, m), triton.cdiv(K, k))](
-                logits, table, dy, out, lse, t["lse"], lse, t["grad_logits"], t["p"], N, K, D,
-                STORE_P=True, FUSED_DELTA=True, HAS_GRAD_LSE=False, **blk)
         return lambda: sea._grad_table_kernel[(triton.cdiv(K, k), triton.cdiv(D, d), n_split)](
             logits, dy, t["lse"], t["dst"], N, K, D, triton.cdiv(N, n_split), ATOMIC=True, **blk)
 

@@ -80,16 +80,16 @@ _CONFIGS = {
     ("forward", 32): [
         (64, 32, 256, 8, 2), (64, 32, 128, 4, 2), (32, 32, 256, 8, 2), (64, 16, 256, 8, 3), (128, 32, 128, 8, 2),
     ],
-    # the fixed-max forward (two-pass, first-tile): no rescaling between its products, so longer K tiles
+    # the fixed-max forward (first-tile): no rescaling between its products, so longer K tiles
     # cost no more per class; (64, 64, 256, 4, 3) and (128, 64, 256, 8, 3) spilled in first-tile's guided kernel
     # (128, 64, 256, 8, 2) left out: at 254 registers, the guided scores' mask of ruled-out classes spilled it
     ("forward_fixed_max", 16): [  # (64, 128, 256, 8, 2) dropped: Triton 3.6 (the lent GPUs') spills 64 bytes in it
         (64, 32, 256, 4, 4), (64, 32, 256, 4, 3), (64, 64, 256, 8, 3),
         (128, 32, 256, 8, 4), (128, 64, 128, 8, 3),
     ],
-    ("forward_fixed_max", 32): [
-        (64, 32, 256, 8, 2), (64, 32, 128, 4, 2), (32, 32, 256, 8, 2), (64, 16, 256, 8, 3), (128, 32, 128, 8, 2),
-    ],
+    # no float32-operand configs: Triton 3.6 failed to compile the fixed-max forward with tf32x3 products on
+    # an H200 (a TritonGPUOptimizeThreadLocality pass error; benchmarks/results/h200-2026-11-28-gpu-tests.txt),
+    # so float32 takes the one-pass forward on a GPU (``fixed_max_fits``)
     # (BLOCK_M, BLOCK_K) output tile of dlogits, D streamed in BLOCK_D steps
     ("grad_logits", 16): [
         (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3),
@@ -125,7 +125,7 @@ _CONFIGS = {
 # fixed tiles for small problems on a GPU (no autotuning), by operand width
 _SMALL_BLOCKS = {
     ("forward", 16): (64, 64, 256, 8, 3), ("forward", 32): (64, 32, 256, 8, 2),
-    ("forward_fixed_max", 16): (64, 32, 256, 4, 3), ("forward_fixed_max", 32): (64, 32, 256, 8, 2),
+    ("forward_fixed_max", 16): (64, 32, 256, 4, 3),
     ("grad_logits", 16): (64, 64, 64, 4, 3), ("grad_logits", 32): (64, 64, 64, 4, 3),
     ("grad_table", 16): (64, 64, 128, 4, 3), ("grad_table", 32): (64, 64, 128, 4, 3),
     ("fused_backward", 16): (64, 64, 256, 8, 2), ("grad_logits_rows", 16): (64, 32, 256, 4, 3),
@@ -274,6 +274,12 @@ def rows_fit(D: int, dot) -> bool:
     16-bit operands (no float32 configurations: a tf32x3 dY block would take twice the registers and
     shared memory)."""
     return _whole_rows_fit("grad_logits_rows", D, dot)
+
+
+def fixed_max_fits(dot) -> bool:
+    """Whether the fixed-max forward serves this dot operand: 16-bit operands on a GPU (it has no float32
+    configurations), any under the interpreter, whose CPU tests cover its logic with float32 operands too."""
+    return interpreted or ("forward_fixed_max", _width(dot)) in _CONFIGS
 
 
 def fused_fits(D: int, dot) -> bool:

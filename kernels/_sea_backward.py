@@ -54,15 +54,12 @@ def _delta_kernel(grad_out_ptr, out_ptr, grad_lse_ptr, delta_ptr, N, D,
                     "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0})
 @triton.jit
 def _grad_logits_kernel(
-    logits_ptr, table_ptr, grad_out_ptr, out_ptr, grad_lse_ptr, lse_ptr, delta_ptr, grad_logits_ptr, p_ptr,
+    logits_ptr, table_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_logits_ptr, p_ptr,
     N, K, D,
-    STORE_P: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_D: tl.constexpr,
+    STORE_P: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # STORE_P: also write P (the "mm" backward hands Pᵀ·dY to cuBLAS). FUSED_DELTA: sum delta =
-    # rowsum(dY ∘ Y) − dLSE here, from the dY tiles the product loop loads anyway, instead of reading
-    # it from delta_ptr (the delta kernel's output); out_ptr and grad_lse_ptr are read only then.
+    # STORE_P: also write P (the "mm" backward hands Pᵀ·dY to cuBLAS). delta comes from the delta kernel.
     # EVEN_K / EVEN_D (set from K, D and the tile): no masks along a dimension the tiles divide.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -74,20 +71,12 @@ def _grad_logits_kernel(
     # overlaps it rather than following it.
     s = tl.load(logits_ptr + safe_rows[:, None] * K + ks[None, :], mask=k_in[None, :], other=0.0)
     lse = tl.load(lse_ptr + safe_rows)
-    if FUSED_DELTA:
-        delta = tl.zeros([BLOCK_M], tl.float32)
-        if HAS_GRAD_LSE:
-            delta -= tl.load(grad_lse_ptr + safe_rows).to(tl.float32)
-    else:
-        delta = tl.load(delta_ptr + safe_rows)
+    delta = tl.load(delta_ptr + safe_rows)
     dy_t = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # dY · tableᵀ for this tile
     for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
         d_in = (ds < D) | EVEN_D
         dy = tl.load(grad_out_ptr + safe_rows[:, None] * D + ds[None, :], mask=d_in[None, :], other=0.0)
-        if FUSED_DELTA:
-            y = tl.load(out_ptr + safe_rows[:, None] * D + ds[None, :], mask=d_in[None, :], other=0.0)
-            delta += tl.sum(dy.to(tl.float32) * y.to(tl.float32), 1)
         t = tl.load(table_ptr + ks[:, None] * D + ds[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
         dy_t = tl.dot(dy.to(DOT_DTYPE), tl.trans(t.to(DOT_DTYPE)), dy_t, input_precision="tf32x3")
     _store_dlogits(grad_logits_ptr, p_ptr, s, lse, dy_t, delta, rows, ks, k_in, N, K, STORE_P, DOT_DTYPE)
@@ -107,10 +96,10 @@ def _grad_logits_rows_kernel(
     # (BLOCK_M, D <= BLOCK_D: the configs' 256, clamped to D's power of two) on chip and sweeps K, one
     # (BLOCK_M, BLOCK_K) tile of dY·tableᵀ per step.
     # The tile kernel runs one such tile per program, four D steps long at D = 256, so each program
-    # fills and drains its load pipeline around a short product, re-reads its dY block from L2 once
-    # per K block, and reads Y again for delta if it sums its own. Here the loads of the next K
-    # tiles are in flight during this one's product and epilogue, dY is read once, and delta =
-    # rowsum(dY ∘ Y) − dLSE is summed once per row block, so no delta kernel runs before it.
+    # fills and drains its load pipeline around a short product and re-reads its dY block from L2 once
+    # per K block. Here the loads of the next K tiles are in flight during this one's product and
+    # epilogue, dY is read once, and delta = rowsum(dY ∘ Y) − dLSE is summed once per row block, so no
+    # delta kernel runs before it.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
     ds = tl.arange(0, BLOCK_D)

@@ -52,13 +52,13 @@ def _chunk_probs_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, ks < K, guidance, GUIDED, "")
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, ks < K, guidance, GUIDED)
         m_i, _, _, l_i = _online_softmax_step(m_i, l_i, s)
     lse = m_i + tl.log(l_i)
     tl.store(lse_ptr + rows, lse, mask=row_in)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks < K
-        p = tl.exp(_score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "") - lse[:, None])
+        p = tl.exp(_score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED) - lse[:, None])
         tl.store(p_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], p.to(DOT_DTYPE),
                  mask=row_in[:, None] & k_in[None, :])

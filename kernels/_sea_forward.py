@@ -14,17 +14,14 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
 
 
 @triton.jit
-def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.constexpr, EVICT: tl.constexpr):
-    """The float32 scores of a (rows, BLOCK_K) tile, -inf past K; EVICT: the loads' L2 eviction policy
-    ("" for the default; passed every time: Triton 3.6 does not make a default argument a constexpr)."""
-    s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0,
-                eviction_policy=EVICT).to(tl.float32)
+def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.constexpr):
+    """The float32 scores of a (rows, BLOCK_K) tile, -inf past K."""
+    s = tl.load(logits_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0).to(tl.float32)
     keep = k_in[None, :]
     if GUIDED:
         # (1+ω) log P(·|y) − ω log P(·|∅) differs from (1+ω) c − ω u by a per-row constant,
         # which the renormalising softmax removes (VQ-LCMD.md, classifier-free guidance).
-        u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0,
-                    eviction_policy=EVICT)
+        u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
         # A class cond rules out (-inf) stays out: c + ω (c − u) is NaN there (at ω = 0 too, and wherever u
         # is -inf as well), so that ω = 0 is the plain op. One select with the K mask: a second one spilled.
         keep = keep & (s != float("-inf"))
@@ -79,7 +76,7 @@ def _forward_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = (ks < K) | EVEN_K
-        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "")
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED)
         m_new, alpha, p, l_i = _online_softmax_step(m_i, l_i, s)
         t = tl.load(table_ptr + ks[:, None] * D + cols[None, :], mask=k_in[:, None] & d_in[None, :], other=0.0)
         acc = tl.dot(p.to(DOT_DTYPE), t.to(DOT_DTYPE), acc * alpha[:, None], input_precision="tf32x3")
@@ -97,7 +94,7 @@ def _finite_reference(m):
 @triton.jit
 def _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance, m_ref, m_seen,
                      GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, TRACK: tl.constexpr,
-                     EVICT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """One sweep over K with a fixed per-row reference m_ref in place of the running max:
     P = exp2(s·log2e − m_ref·log2e), so the accumulator only feeds the products and is never
     rescaled. Returns (the row maxima seen, updated when TRACK, the sum of P, P·table)."""
@@ -107,7 +104,7 @@ def _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, 
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = (ks < K) | EVEN_K
-        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, EVICT)
+        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED)
         if TRACK:
             m_seen = tl.maximum(m_seen, tl.max(s, 1))
         p = tl.exp2(s * LOG2E - m2[:, None])
@@ -123,7 +120,7 @@ def _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, 
 def _forward_fixed_max_kernel(
     logits_ptr, uncond_ptr, table_ptr, out_ptr, lse_ptr,
     N, K, D, guidance,
-    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, MAX_FIRST: tl.constexpr, MAX_GAP: tl.constexpr,
+    GUIDED: tl.constexpr, DOT_DTYPE: tl.constexpr, MAX_GAP: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -132,39 +129,26 @@ def _forward_fixed_max_kernel(
     # next tile's softmax (sm_90 SASS: WARPGROUP.DEPBAR gsb0 0x0), and the rescale is a third of the
     # loop's instructions. Any per-row reference m with every s − m below MAX_GAP gives the same
     # softmax without rescaling (exp(s − m) stays finite, and l, P·table are scaled alike), and the
-    # products stay in flight while the next tile's exponentials run. Where m comes from:
-    # MAX_FIRST ("two-pass"): a first sweep finds each row's max, at the price of reading the
-    # program's logits twice (the second time from L2: the first sweep's loads are hinted evict_last).
-    # Else ("first-tile"): the first K tile's max, and the sweep tracks the true max as it goes; only
-    # if some row's max passes its reference by MAX_GAP (trained logits rarely spread that far beyond
-    # their first 32-128 classes) does the program sweep again from the true maxima.
+    # products stay in flight while the next tile's exponentials run. m is the first K tile's max
+    # ("first-tile"), and the sweep tracks the true max as it goes; only if some row's max passes its
+    # reference by MAX_GAP (trained logits rarely spread that far beyond their first 32-128 classes)
+    # does the program sweep again from the true maxima. (Finding each row's max in a first sweep
+    # instead, "two-pass", read the logits twice and lost on an H200: README.md.)
     rows, row_off, cols, d_in = _forward_block(N, K, D, EVEN_D, BLOCK_M, BLOCK_D)
     m_seen = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    if MAX_FIRST:
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_in = (ks < K) | EVEN_K
-            s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "evict_last")
-            m_seen = tl.maximum(m_seen, tl.max(s, 1))
+    ks = tl.arange(0, BLOCK_K)
+    k_in = (ks < K) | EVEN_K
+    s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED)
+    m_ref = _finite_reference(tl.max(s, 1))
+    m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance,
+                                        m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, True, BLOCK_M, BLOCK_K, BLOCK_D)
+    # also sweep again where the reference sits far above the row (a first tile of -inf logits took 0)
+    gap = tl.where(m_seen == float("-inf"), 0.0, tl.abs(m_seen - m_ref))
+    if tl.max(gap, 0) > MAX_GAP:  # exp(s − m_ref) may have overflowed: sweep from the maxima
         m_ref = _finite_reference(m_seen)
-        m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance,
-                                            m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False, "evict_first",
+        m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D,
+                                            guidance, m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False,
                                             BLOCK_M, BLOCK_K, BLOCK_D)
-    else:
-        ks = tl.arange(0, BLOCK_K)
-        k_in = (ks < K) | EVEN_K
-        s = _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED, "")
-        m_ref = _finite_reference(tl.max(s, 1))
-        m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D, guidance,
-                                            m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, True, "",
-                                            BLOCK_M, BLOCK_K, BLOCK_D)
-        # also sweep again where the reference sits far above the row (a first tile of -inf logits took 0)
-        gap = tl.where(m_seen == float("-inf"), 0.0, tl.abs(m_seen - m_ref))
-        if tl.max(gap, 0) > MAX_GAP:  # exp(s − m_ref) may have overflowed: sweep from the maxima
-            m_ref = _finite_reference(m_seen)
-            m_seen, l_i, acc = _fixed_max_sweep(logits_ptr, uncond_ptr, table_ptr, row_off, cols, d_in, K, D,
-                                                guidance, m_ref, m_seen, GUIDED, DOT_DTYPE, EVEN_K, False, "",
-                                                BLOCK_M, BLOCK_K, BLOCK_D)
     _store_average(out_ptr, lse_ptr, acc, l_i, m_ref, rows, cols, d_in, N, D)
 
 

@@ -51,13 +51,11 @@ def check(quick: bool) -> list[str]:
     if _launch.interpreted:
         raise SystemExit("aot_check: unset TRITON_INTERPRET (the kernels were decorated for the interpreter)")
     # EVEN_K / EVEN_D (set by the kernels' heuristics at a launch): K = 1024 and D = 256 fill every tile of
-    # every config; MAX_GAP: the gap of bf16 operands, the width the 16-bit jobs compile for (float32's is the same)
+    # every config; MAX_GAP: the gap of bf16 operands, the width the fixed-max forward compiles for (16-bit only)
     even, gap = dict(EVEN_K=True, EVEN_D=True), sea.max_gap(tl.bfloat16)
     kernels = {"forward": (sea._forward_kernel.fn, dict(GUIDED=True, **even)),
-               "forward_fixed_max": (sea._forward_fixed_max_kernel.fn, dict(GUIDED=True, MAX_FIRST=False, MAX_GAP=gap,
-                                                                           **even)),
-               "grad_logits": (sea._grad_logits_kernel.fn, dict(STORE_P=True, FUSED_DELTA=False, HAS_GRAD_LSE=False,
-                                                                **even)),
+               "forward_fixed_max": (sea._forward_fixed_max_kernel.fn, dict(GUIDED=True, MAX_GAP=gap, **even)),
+               "grad_logits": (sea._grad_logits_kernel.fn, dict(STORE_P=True, **even)),
                "grad_table": (sea._grad_table_kernel.fn, dict(ATOMIC=True, **even)),
                "fused_backward": (sea._fused_backward_kernel, dict(ATOMIC=True))}
     # (name, operand width, constexprs, warps, stages, kind)
@@ -68,15 +66,6 @@ def check(quick: bool) -> list[str]:
                  for (name, width), cfgs in _launch._CONFIGS.items() for (m, k, d, warps, stages) in cfgs]
     kernels["grad_logits_rows"] = (sea._grad_logits_rows_kernel.fn,
                                    dict(STORE_P=True, HAS_GRAD_LSE=True, **even))
-    # the fixed-max forward's other variant ("two-pass": a max sweep first), in every tile of its own
-    kernels["forward_fixed_max+max_first"] = (sea._forward_fixed_max_kernel.fn,
-                                              dict(GUIDED=True, MAX_FIRST=True, MAX_GAP=gap, **even))
-    jobs += [("forward_fixed_max+max_first", *job[1:]) for job in jobs if job[0] == "forward_fixed_max"]
-    # the dlogits kernel summing delta itself (VQLCMD_TRITON_DELTA=fused), in every grad_logits tile
-    kernels["grad_logits+delta"] = (sea._grad_logits_kernel.fn, dict(STORE_P=True, FUSED_DELTA=True, HAS_GRAD_LSE=True,
-                                                                      **even))
-    # (16-bit operands only: float32 keeps the delta kernel, whose dlogits tiles do not spill)
-    jobs += [("grad_logits+delta", *job[1:]) for job in jobs if job[0] == "grad_logits" and job[1] == 16]
     # the chunked variants' elementwise kernels: their fixed tiles at the goal shape (K = 1024)
     kernels["chunk"] = (sea._chunk_kernel, dict(WRITE_GRAD=True, WRITE_P=True))
     kernels["chunk_probs"] = (sea._chunk_probs_kernel, dict(GUIDED=True))

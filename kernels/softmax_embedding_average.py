@@ -11,8 +11,9 @@ exist in memory; it saves only the per-row log-sum-exp. The backward recomputes 
 This module is the op as launched: which variant runs (each has an environment variable, read per
 call), the launches, and the parts given to cuBLAS. The kernels are in ``_sea_forward.py``,
 ``_sea_backward.py`` and ``_sea_chunked.py``; README.md in this folder has every variant and the
-GPU measurements that made the defaults: the one-pass forward, and the "mm" backward (the dlogits
-kernel writes P, cuBLAS computes Pᵀ·dY) for 16-bit operands, "split" kernels for float32.
+GPU measurements that made the defaults: for 16-bit inputs the "first-tile" fixed-max forward and
+the "mm" backward (cuBLAS computes Pᵀ·dY) with the "rows" dlogits kernel; for float32 the one-pass
+("fused") forward and the "split" backward with the "tiles" dlogits kernel.
 
 Shapes: logits (N, K), table (K, D), out (N, D), lse (N,). Math is float32 throughout.
 Under TRITON_INTERPRET=1 (the CPU tests) the interpreter keeps bfloat16 as raw 16-bit
@@ -32,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fused_fits, fused_splits, interpreted,
-                      mm_rows, rows_fit, splits)
+from ._launch import (SPLIT_ALIGN, Tuned, blocks, chunk_rows, dot_dtype, fixed_max_fits, fused_fits, fused_splits,
+                      interpreted, mm_rows, rows_fit, splits)
 from ._sea_backward import (_delta_kernel, _fused_backward_kernel, _grad_logits_kernel, _grad_logits_rows_kernel,
                             _grad_table_kernel)
 from ._sea_chunked import _chunk_kernel, _chunk_probs_kernel
@@ -42,9 +43,8 @@ from ._sea_forward import _forward_fixed_max_kernel, _forward_kernel, max_gap
 
 _TUNED = {
     "forward": Tuned(_forward_kernel, "forward", variants=("GUIDED",)),
-    "forward_fixed_max": Tuned(_forward_fixed_max_kernel, "forward_fixed_max", variants=("GUIDED", "MAX_FIRST")),
-    "grad_logits": Tuned(_grad_logits_kernel, "grad_logits",
-                         variants=("STORE_P", "FUSED_DELTA", "HAS_GRAD_LSE")),
+    "forward_fixed_max": Tuned(_forward_fixed_max_kernel, "forward_fixed_max", variants=("GUIDED",)),
+    "grad_logits": Tuned(_grad_logits_kernel, "grad_logits", variants=("STORE_P",)),
     "grad_logits_rows": Tuned(_grad_logits_rows_kernel, "grad_logits_rows", variants=("STORE_P", "HAS_GRAD_LSE")),
     "grad_table": Tuned(_grad_table_kernel, "grad_table", variants=("ATOMIC",), reset_to_zero=["dst_ptr"]),
     "fused_backward": Tuned(_fused_backward_kernel, "fused_backward", variants=("ATOMIC",),
@@ -65,7 +65,7 @@ def _launch(name: str, grid, N: int, K: int, D: int, args: tuple, dot, **const) 
 
 
 FORWARD_ENV = "VQLCMD_TRITON_FORWARD"
-FORWARD_VARIANTS = ("fused", "two-pass", "first-tile", "chunked")
+FORWARD_VARIANTS = ("auto", "fused", "first-tile", "chunked")
 
 
 def _choice(variant: Optional[str], env: str, choices: tuple, default: str) -> str:
@@ -77,15 +77,33 @@ def _choice(variant: Optional[str], env: str, choices: tuple, default: str) -> s
     return variant
 
 
-def forward_variant(variant: Optional[str] = None) -> str:
-    """``variant``, else $VQLCMD_TRITON_FORWARD, else "fused" (the one-pass kernel).
+def sixteen_bit(*tensors: torch.Tensor) -> bool:
+    """Whether the inputs promote to bfloat16 or float16: what the "auto" variants choose by. A GPU's
+    ``tl.dot`` operands are then 16-bit too (``dot_dtype``); choosing by the inputs rather than by the
+    operands, which the interpreter makes float32, lets the CPU tests run what a GPU runs for bf16."""
+    promoted = tensors[0].dtype
+    for t in tensors[1:]:
+        promoted = torch.promote_types(promoted, t.dtype)
+    return promoted in (torch.bfloat16, torch.float16)
 
-    "two-pass" and "first-tile" run ``_forward_fixed_max_kernel``, whose products need no online
-    rescaling: "two-pass" finds each row's max in a first sweep over its logits, "first-tile" takes
-    the first K tile's max and sweeps again only for rows whose logits spread further than
-    ``max_gap``. Neither is the default yet: no GPU has timed them.
+
+def forward_variant(variant: Optional[str] = None, is_16_bit: Optional[bool] = None) -> str:
+    """``variant``, else $VQLCMD_TRITON_FORWARD, else "auto", which resolves by ``is_16_bit`` (``sixteen_bit``
+    of the inputs, when given): "first-tile" for 16-bit inputs, "fused" for float32.
+
+    "first-tile" runs ``_forward_fixed_max_kernel``, whose products need no online rescaling: it
+    takes the first K tile's max and sweeps again only for rows whose logits spread further than
+    ``max_gap``. On an H200 (N = 32768, K = 1024, D = 256, bf16; benchmarks/results/h200-2026-11-28.jsonl)
+    it took 0.0579 ms against 0.0662 for the one-pass "fused" kernel (0.205 against 0.215 fwd+bwd).
+    float32 stays with "fused": Triton 3.6 failed to compile the fixed-max kernel with float32
+    operands there (a TritonGPUOptimizeThreadLocality pass error on its tf32x3 products;
+    h200-2026-11-28-gpu-tests.txt), so ``forward`` runs "fused" for them whatever is asked
+    (``fixed_max_fits``).
     """
-    return _choice(variant, FORWARD_ENV, FORWARD_VARIANTS, "fused")
+    variant = _choice(variant, FORWARD_ENV, FORWARD_VARIANTS, "auto")
+    if variant == "auto" and is_16_bit is not None:
+        variant = "first-tile" if is_16_bit else "fused"
+    return variant
 
 
 def on_tensor_device(fn):
@@ -110,10 +128,11 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
             guidance: float = 0.0, *, variant: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, K), table (K, D) [, uncond (N, K), ω] -> out (N, D) in the promoted dtype, lse (N,) float32.
 
-    ``variant`` (default $VQLCMD_TRITON_FORWARD, else "fused"): the one-pass FlashAttention-style
-    kernel, "two-pass": a sweep for each row's max, then the same product without online rescaling,
-    "first-tile": that product against the first K tile's max (a second sweep only where it falls
-    short), or "chunked": the softmax of a chunk of rows in Triton and P_c·table through cuBLAS.
+    ``variant`` (default $VQLCMD_TRITON_FORWARD, else "auto": "first-tile" for 16-bit inputs, "fused"
+    for float32): "fused", the one-pass FlashAttention-style kernel, "first-tile": the product
+    against the first K tile's max without online rescaling (a second sweep only where it falls
+    short; float32 operands on a GPU take "fused" instead, ``forward_variant``), or "chunked": the
+    softmax of a chunk of rows in Triton and P_c·table through cuBLAS.
     """
     N, K = logits.shape
     D = table.shape[1]
@@ -122,13 +141,15 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
         out_dtype = torch.promote_types(out_dtype, uncond.dtype)
     out = torch.empty((N, D), device=logits.device, dtype=out_dtype)
     lse = torch.empty((N,), device=logits.device, dtype=torch.float32)
-    variant = forward_variant(variant)
+    variant = forward_variant(variant, sixteen_bit(logits, table))
     if N == 0:
         return out, lse
     guided = uncond is not None
     logits, table = logits.contiguous(), table.contiguous()
     uncond = uncond.contiguous() if guided else logits  # unread when not guided
     dot = dot_dtype(logits, table)
+    if variant == "first-tile" and not fixed_max_fits(dot):
+        variant = "fused"
     if variant == "chunked":
         _chunked_forward(logits, uncond, table, float(guidance), guided, out, lse, dot)
     else:
@@ -137,8 +158,7 @@ def forward(logits: torch.Tensor, table: torch.Tensor, uncond: Optional[torch.Te
         if variant == "fused":
             _launch("forward", grid, N, K, D, args, dot, GUIDED=guided)
         else:
-            _launch("forward_fixed_max", grid, N, K, D, args, dot, GUIDED=guided, MAX_FIRST=variant == "two-pass",
-                    MAX_GAP=max_gap(dot))
+            _launch("forward_fixed_max", grid, N, K, D, args, dot, GUIDED=guided, MAX_GAP=max_gap(dot))
     return out, lse
 
 
@@ -146,50 +166,38 @@ BACKWARD_ENV = "VQLCMD_TRITON_BACKWARD"
 BACKWARD_VARIANTS = ("auto", "fused", "split", "chunked", "mm")
 
 
-def backward_variant(variant: Optional[str] = None, dot=None) -> str:
+def backward_variant(variant: Optional[str] = None, is_16_bit: Optional[bool] = None) -> str:
     """``variant``, else $VQLCMD_TRITON_BACKWARD, else "auto".
 
-    "auto" resolves by ``dot``, the ``tl.dot`` operand dtype: "mm" for 16-bit operands (the fastest on
-    an H100, README.md), "split" for float32 and under the interpreter (where ``dot`` is float32).
+    "auto" resolves by ``is_16_bit`` (``sixteen_bit`` of the inputs, when given): "mm" for 16-bit inputs
+    (the fastest on an H100, README.md), "split" for float32 (cuBLAS would run Pᵀ·dY as an SGEMM).
     """
     variant = _choice(variant, BACKWARD_ENV, BACKWARD_VARIANTS, "auto")
-    if variant == "auto" and dot is not None:
-        variant = "split" if dot == tl.float32 else "mm"
+    if variant == "auto" and is_16_bit is not None:
+        variant = "mm" if is_16_bit else "split"
     return variant
 
 
-DELTA_ENV = "VQLCMD_TRITON_DELTA"
-DELTA_VARIANTS = ("kernel", "fused")
-
-
-def delta_variant(variant: Optional[str] = None) -> str:
-    """``variant``, else $VQLCMD_TRITON_DELTA, else "kernel".
-
-    Where the dlogits kernel of the "split" and "mm" backwards gets delta = rowsum(dY ∘ Y) − dLSE:
-    "kernel", from the small delta kernel that runs first (14 µs of the 241 µs fwd+bwd on an H100 at
-    N = 32768, K = 1024, D = 256, bf16), or "fused": each dlogits program sums it itself from the dY
-    tiles its product loop loads anyway, plus the matching Y tiles (16-bit operands only on a GPU:
-    with float32 ones the tiles spill registers, so those keep the delta kernel). That saves the launch and a
-    pass over dY and Y in memory for extra (mostly L2) reads of Y in every K block of a row block.
-    "kernel" stays the default until a GPU run says "fused" pays (benchmarks: ``triton-delta``).
-    """
-    return _choice(variant, DELTA_ENV, DELTA_VARIANTS, "kernel")
-
-
 DLOGITS_ENV = "VQLCMD_TRITON_DLOGITS"
-DLOGITS_VARIANTS = ("tiles", "rows")
+DLOGITS_VARIANTS = ("auto", "tiles", "rows")
 
 
-def dlogits_variant(variant: Optional[str] = None) -> str:
-    """``variant``, else $VQLCMD_TRITON_DLOGITS, else "tiles".
+def dlogits_variant(variant: Optional[str] = None, is_16_bit: Optional[bool] = None) -> str:
+    """``variant``, else $VQLCMD_TRITON_DLOGITS, else "auto", which resolves by ``is_16_bit`` (``sixteen_bit``
+    of the inputs, when given): "rows" for 16-bit inputs, "tiles" for float32.
 
     Which kernel computes dlogits in the split and mm backwards: "tiles", one (rows, classes) tile per
     program (``_grad_logits_kernel``), or "rows", a block of whole rows per program sweeping all
     classes with its dY on chip (``_grad_logits_rows_kernel``; it sums delta itself, so no delta
-    kernel runs). "rows" needs D <= 256, and on a GPU 16-bit operands (``rows_fit``); elsewhere the
-    tiles run. "tiles" stays the default until a GPU run says "rows" pays (benchmarks: ``triton-rows``).
+    kernel runs). On an H200 (N = 32768, K = 1024, D = 256, bf16, mm backward) fwd+bwd took 0.205 ms
+    with "rows" against 0.215 with "tiles" (benchmarks/results/h200-2026-11-28.jsonl). "rows" needs
+    D <= 256, and on a GPU 16-bit operands (``rows_fit``: it has no float32 configurations);
+    elsewhere the tiles run, whatever is asked.
     """
-    return _choice(variant, DLOGITS_ENV, DLOGITS_VARIANTS, "tiles")
+    variant = _choice(variant, DLOGITS_ENV, DLOGITS_VARIANTS, "auto")
+    if variant == "auto" and is_16_bit is not None:
+        variant = "rows" if is_16_bit else "tiles"
+    return variant
 
 
 @on_tensor_device
@@ -199,8 +207,9 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
              variant: Optional[str] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients of ``forward`` w.r.t. logits (N, K) and table (K, D), in their dtypes (None if not needed).
 
-    ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "auto": "mm" for 16-bit operands, "split" for
-    float32) picks the fused kernel, the split ones, the chunked products or "mm". "fused" applies
+    ``variant`` (default $VQLCMD_TRITON_BACKWARD, else "auto": "mm" for 16-bit inputs, "split" for
+    float32) picks the fused kernel, the split ones, the chunked products or "mm"; the split and mm
+    backwards take their dlogits kernel from ``dlogits_variant``. "fused" applies
     when both gradients are needed and the kernel fits (``fused_fits``), and so does "mm"; else a
     single gradient takes its own split kernel, which does no work for the other. "chunked" serves
     any combination and is deterministic whatever ``deterministic`` says.
@@ -219,18 +228,14 @@ def backward(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, logit
     grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
     dot = dot_dtype(logits, table)
     dev = logits.device
-    variant = backward_variant(variant, dot)
+    is_16_bit = sixteen_bit(logits, table)
+    variant = backward_variant(variant, is_16_bit)
     fused = variant == "fused" and need_logits and need_table and fused_fits(D, dot)
     grad_lse = grad_lse.contiguous() if grad_lse is not None else None
-    # the fused and chunked backwards read delta from memory; the dlogits kernel may sum its own, with
-    # 16-bit operands on a GPU (float32's tf32x3 tiles spill registers when they sum delta too: aot_check)
-    own_delta = (delta_variant() == "fused" and variant != "chunked" and not fused
-                 and (interpreted or dot != tl.float32))
-    # the rows dlogits kernel always sums its own delta
-    rows_kernel = dlogits_variant() == "rows" and variant in ("split", "mm") and rows_fit(D, dot)
-    own_delta = own_delta or rows_kernel
+    # the rows dlogits kernel sums its own delta; the other backwards read it from the delta kernel
+    rows_kernel = dlogits_variant(None, is_16_bit) == "rows" and variant in ("split", "mm") and rows_fit(D, dot)
     delta = None
-    if N and need_logits and not own_delta:
+    if N and need_logits and not rows_kernel:
         delta = torch.empty((N,), device=dev, dtype=torch.float32)
         has_glse = grad_lse is not None
         blk = blocks("delta", N, K, D, dev, dot)
@@ -289,7 +294,7 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = 
 
 class _DeltaFrom(NamedTuple):
     """Where the dlogits kernel takes delta from: ``values`` (the delta kernel's output), or, when that
-    is None, its own sum of rowsum(dY ∘ out) − grad_lse (``delta_variant`` "fused")."""
+    is None, its own sum of rowsum(dY ∘ out) − grad_lse (the rows kernel)."""
     values: Optional[torch.Tensor]
     out: torch.Tensor
     grad_lse: Optional[torch.Tensor]
@@ -305,7 +310,6 @@ def _grad_logits(logits, table, grad_out, lse, dl: _DeltaFrom, grad_logits, dot,
     leaves unread (P without STORE_P, the delta inputs) get a live tensor."""
     N, K = logits.shape
     D = table.shape[1]
-    own = dl.values is None
     if rows_kernel:
         _launch("grad_logits_rows", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]),), N, K, D,
                 (logits, table, grad_out, dl.out, lse if dl.grad_lse is None else dl.grad_lse, lse, grad_logits,
@@ -313,9 +317,8 @@ def _grad_logits(logits, table, grad_out, lse, dl: _DeltaFrom, grad_logits, dot,
                 STORE_P=p is not None, HAS_GRAD_LSE=dl.grad_lse is not None)
         return
     _launch("grad_logits", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"])),
-            N, K, D, (logits, table, grad_out, dl.out, lse if dl.grad_lse is None else dl.grad_lse, lse,
-                      lse if own else dl.values, grad_logits, logits if p is None else p, N, K, D), dot,
-            STORE_P=p is not None, FUSED_DELTA=own, HAS_GRAD_LSE=own and dl.grad_lse is not None)
+            N, K, D, (logits, table, grad_out, lse, dl.values, grad_logits, logits if p is None else p, N, K, D), dot,
+            STORE_P=p is not None)
 
 
 def _mm_backward(grad_out, lse, logits, table, dl: _DeltaFrom, dot, rows_kernel=False):
@@ -394,4 +397,5 @@ def _chunked_backward(grad_out, lse, logits, table, delta, need_logits, need_tab
     return grad_logits, (dst.to(table.dtype) if need_table else None)
 
 
-__all__ = ["forward", "forward_variant", "backward", "backward_variant", "delta_variant", "interpreted"]
+__all__ = ["forward", "forward_variant", "backward", "backward_variant", "dlogits_variant", "sixteen_bit",
+           "interpreted"]

@@ -10,9 +10,10 @@
 #                  last; -v, so a step cut off by its limit still names each result)
 #   train-32c      the same with torch.compile (train.compile): the compiled-vs-eager ratio at batch 32
 #   train-128      batch 128, uncompiled
-#   bench-softmax  the undecided Triton softmax_embedding_average variants (default, delta, rows, first-tile,
-#                  two-pass) against eager and torch.compile, at the goal size only: N=32768 K=1024 D=256 bf16
-#   bench-noise    the compiled ops, with the undecided sliced noise_embeddings backwards beside the default
+#   bench-softmax  the Triton softmax_embedding_average defaults (first-tile forward, rows dlogits for bf16)
+#                  against the runners-up they beat on an H200 (one-pass forward, tiles dlogits), eager and
+#                  torch.compile, at the goal size only: N=32768 K=1024 D=256 bf16
+#   bench-noise    the compiled ops against the reference
 #   train-256      batch 256, uncompiled
 # In that order, most valuable rows first: each step runs for at most its own limit and what is left of SECONDS
 # (default 540), so the later ones are cut or skipped once the budget is spent; a failing step does not stop the
@@ -95,12 +96,12 @@ fi
 
 if [ "$dry" = 1 ]; then
   preset=tiny overrides='{}' images=256 steps=8 log_every=4 sizes=(4 8 16) compile=false
-  launcher=("$py" scripts/train.py) bench=(--quick --device cpu) softmax=triton,triton-delta  # no CPU compiling
+  launcher=("$py" scripts/train.py) bench=(--quick --device cpu) softmax=triton,triton-tiles  # no CPU compiling
 else
   preset=imagenet-246m overrides='{"codebook_size": 1024, "embed_dim": 256, "seq_len": 256}' images=4096
   steps=100 log_every=10 sizes=(32 128 256) compile=true
   launcher=("$py" scripts/train.py) bench=(--device cuda)
-  softmax=triton,triton-delta,triton-rows,triton-first-tile,triton-two-pass,compile
+  softmax=triton,triton-one-pass,triton-tiles,compile
   command -v deepspeed >/dev/null && launcher=(deepspeed --num_gpus 1 scripts/train.py)
 fi
 # the runs' end-of-run checkpoints (gigabytes at imagenet-246m) stay out of OUT_DIR: in memory where there is room
@@ -134,7 +135,7 @@ train train-128 "${sizes[1]}" false 60
 VQLCMD_BENCH_SHAPES=goal step bench-softmax 70 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" \
   --stage softmax_embedding_average --backend "$softmax"
 step bench-noise 40 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" --stage compiled_ops \
-  --backend compiled,compiled-sliced,compiled-sliced-1
+  --backend compiled
 train train-256 "${sizes[2]}" false 60
 
 qs_dir="$runs/digits"

@@ -182,7 +182,8 @@ __global__ void kl_stream_kernel(const T* __restrict__ teacher, const T* __restr
   }
   if (kl != nullptr) {
     acc = group_sum<kWarp>(acc);
-    if (lane == 0) kl[row] = acc;
+    // the terms of an empty teacher row are NaN (its normaliser is -inf); its KL is 0
+    if (lane == 0) kl[row] = teacher_row_empty(nt.max) ? 0.0f : acc;
   }
 }
 

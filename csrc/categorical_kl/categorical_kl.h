@@ -65,6 +65,12 @@ VQLCMD_HD RowNorm row_norm(OnlineLSE s) { return RowNorm{s.max, logf(s.sum)}; }
 // log softmax(x)_k = (x_k - max) - log sum, in this order (as log_softmax does).
 VQLCMD_HD float log_softmax_at(float x, RowNorm n) { return (x - n.max) - n.log_sum; }
 
+// Whether a teacher row holds no probability: every logit -inf (its max, max_t, is -inf). Each p_k is 0,
+// so the row's KL is 0 (0 log 0 = 0), but its normaliser is -inf and (x - max) - log_sum is NaN: no form
+// may take that row's KL from its terms (kl_term) or sums (KlSums). Each asks this first, so the CPU,
+// register-resident and streamed kernels agree. The gradient q - p has no p: NaN, as the reference's.
+VQLCMD_HD bool teacher_row_empty(float max_t) { return max_t == -INFINITY; }
+
 // One KL term p_k (log p_k - log q_k); p_k = 0 contributes 0 (0 log 0 = 0), also
 // when the student's log q_k is -inf there. Tested as p == 0, not p > 0: a NaN p
 // (a NaN or +inf teacher logit) must make the KL NaN, not drop out of the sum.
@@ -102,7 +108,7 @@ VQLCMD_HD void kl_sums_add(KlSums& a, float t_shift, float s_shift, float e_t, f
 }
 
 VQLCMD_HD float kl_from_sums(KlSums a, float max_t) {
-  if (max_t == -INFINITY) return 0.0f;  // a teacher row of -inf: every p_k is 0, as in kl_term
+  if (teacher_row_empty(max_t)) return 0.0f;
   return a.weighted / a.sum_t + (logf(a.sum_s) - logf(a.sum_t));
 }
 

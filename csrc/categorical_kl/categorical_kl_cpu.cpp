@@ -40,9 +40,8 @@ RowNorm row_lse(const float* x, int64_t K) {
 // KL of one row; if `grad` is given, also writes scale * (q - p) there (kl_student_grad).
 float row_kl(const float* t, const float* s, int64_t K, float* grad, float scale) {
   const RowNorm nt = row_lse(t, K), ns = row_lse(s, K);
-  if (nt.max == -INFINITY) {  // a teacher row of -inf: every p_k is 0, so KL = 0 (as kl_term and
-    // kl_from_sums say); the gradient q - p has no p, NaN as the reference's. Not left to the vector loop:
-    // exp_u20 takes the NaN of (-inf) - (-inf) to +inf, and inf * NaN made the KL NaN too.
+  if (teacher_row_empty(nt.max)) {  // KL 0, gradient NaN. Not left to the vector loop: exp_u20
+    // takes the NaN of (-inf) - (-inf) to +inf, and inf * NaN made the KL NaN.
     if (grad != nullptr) std::fill(grad, grad + K, std::numeric_limits<float>::quiet_NaN());
     return 0.0f;
   }

@@ -1,12 +1,8 @@
 // CUDA kernels of noise_embeddings. Forward: each thread owns one Philox block,
 // i.e. four consecutive output elements, so drawn noise costs no memory traffic.
-// Backward: scatter-add with atomics (into the table in memory, or, with
-// VQLCMD_NOISE_BACKWARD=sliced, into a slice of it in shared memory), or a sorted
-// segment sum when torch.use_deterministic_algorithms(True) asks for a fixed order.
+// Backward: scatter-add with atomics into the table in memory, or a sorted segment
+// sum when torch.use_deterministic_algorithms(True) asks for a fixed order.
 #include <torch/library.h>
-
-#include <cstdlib>
-#include <string>
 
 #include "../common/cuda_utils.cuh"
 #include "../common/philox.h"
@@ -216,6 +212,10 @@ __device__ __forceinline__ void merge_equal_rows(int i, float (&g)[kTokensPerThr
 }
 
 // hot_row: -1, or a row whose sum is kept in shared memory (D floats).
+// Bound by the L2's atomic units rather than memory, but a backward that summed into slices of
+// the table in shared memory instead lost on an H200 (16384 tokens, D = 256, fp32 fwd+bwd: 43.2 us
+// with its own row splits, 59.8 in one, against 26.9; benchmarks/results/h200-2026-11-28.jsonl),
+// so it was deleted.
 template <typename grad_t, int kPack>
 __global__ void noise_backward_atomic_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ ids,
                                              const bool* __restrict__ drop, int64_t mask_index,
@@ -310,142 +310,6 @@ __global__ void noise_backward_runs_kernel(const int64_t* __restrict__ sorted, c
   }
 }
 
-// Sliced backward (VQLCMD_NOISE_BACKWARD=sliced). The atomic kernel above is bound by
-// the L2's atomic units, not by memory: on an H100 (16384 tokens, D = 256) its 1M
-// float4 atomics into the 1 MiB table take 14.7 us, reading the gradient at 1.1 TB/s
-// where a copy runs at 2.8. Here block (s, r) keeps kSliceCols columns of every table
-// row in shared memory and adds the gradients of row split r's tokens into them with
-// shared-memory atomics; memory sees one float4 per table row and block at the end: a
-// plain store when there is one split (which also writes the rows no token hit, so the
-// output needs no zero-fill), else an atomic add. Every block reads all of its split's
-// ids (64 times at D = 256, from L2). Not yet the default: no GPU has timed it.
-//
-// Float atomics on shared memory are a compare-and-swap loop on sm_90 (ATOMS.CAST.SPIN),
-// and the lanes of a warp hit random rows, so bank conflicts set their cost. The slice
-// is stored column by column (acc[j * V + row]): one instruction's 32 lanes then spread
-// over all 32 banks (about 3.5 to a bank at worst), where rows of four consecutive floats
-// would put them into 8 groups of 4 banks (about 7). The [mask] row, which a fifth of
-// the tokens hit when dropping, is summed in registers instead.
-constexpr int kSliceCols = 4;  // one Pack4 of the gradient per token; the flush below spells out 4
-static_assert(kSliceCols == 4, "the sliced kernel moves its columns as one Pack4 / float4");
-constexpr int kSlicedThreads = 512;
-// a split no shorter than this, so that zeroing and flushing the slice stay small beside its tokens
-constexpr int64_t kMinSplitTokens = 4096;
-
-template <typename grad_t>
-__global__ void __launch_bounds__(kSlicedThreads)
-    noise_backward_sliced_kernel(const grad_t* __restrict__ grad, const int64_t* __restrict__ ids,
-                                 const bool* __restrict__ drop, int64_t mask_index, const float* __restrict__ alpha,
-                                 float* __restrict__ out, int64_t N, int64_t M, int64_t D, int64_t V, int64_t hot_row,
-                                 int64_t split_tokens, bool add, int* bad) {
-  extern __shared__ float acc[];  // (kSliceCols, V): this block's columns of every table row
-  const int64_t d = static_cast<int64_t>(blockIdx.x) * kSliceCols;
-  for (int64_t i = threadIdx.x; i < kSliceCols * V; i += blockDim.x) acc[i] = 0.0f;
-  __syncthreads();
-  const int64_t begin = static_cast<int64_t>(blockIdx.y) * split_tokens;
-  const int64_t end = begin + split_tokens < N ? begin + split_tokens : N;
-  float hot[kSliceCols] = {};  // this thread's share of the [mask] row
-  for (int64_t r0 = begin + static_cast<int64_t>(threadIdx.x) * kTokensPerThread; r0 < end;
-       r0 += static_cast<int64_t>(blockDim.x) * kTokensPerThread) {
-    float g[kTokensPerThread][kSliceCols];
-    int64_t row[kTokensPerThread];  // -1: nothing to add (past the split, a bad id, or merged)
-    load_chunk<grad_t, kSliceCols>(grad, ids, drop, mask_index, alpha, r0, end, M, D, V, d, bad, g, row);
-#pragma unroll
-    for (int i = 0; i < kTokensPerThread; ++i) {
-      if (row[i] < 0) continue;
-      if (row[i] == hot_row) {
-#pragma unroll
-        for (int j = 0; j < kSliceCols; ++j) hot[j] += g[i][j];
-        continue;
-      }
-      merge_equal_rows<kSliceCols>(i, g, row);
-#pragma unroll
-      for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + j * V + row[i], g[i][j]);
-    }
-  }
-  if (hot_row >= 0) {  // every thread of the block gets here: whole warps shuffle
-#pragma unroll
-    for (int j = 0; j < kSliceCols; ++j) {
-#pragma unroll
-      for (int lane = 16; lane > 0; lane /= 2) hot[j] += __shfl_xor_sync(0xffffffffu, hot[j], lane);
-    }
-    if (threadIdx.x % 32 == 0) {
-#pragma unroll
-      for (int j = 0; j < kSliceCols; ++j) atomicAdd(acc + j * V + hot_row, hot[j]);
-    }
-  }
-  __syncthreads();
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float x[kSliceCols] = {acc[v], acc[V + v], acc[2 * V + v], acc[3 * V + v]};
-    if (!add) {
-      *reinterpret_cast<float4*>(out + v * D + d) = make_float4(x[0], x[1], x[2], x[3]);
-    } else if (x[0] != 0.0f || x[1] != 0.0f || x[2] != 0.0f || x[3] != 0.0f) {
-      atomic_add(out + v * D + d, x);
-    }
-  }
-}
-
-// VQLCMD_NOISE_BACKWARD: "atomic" (default) or "sliced"; read per call so a benchmark can switch.
-bool sliced_backward_requested() {
-  const char* v = std::getenv("VQLCMD_NOISE_BACKWARD");
-  const std::string name = v == nullptr ? "" : v;
-  TORCH_CHECK(name.empty() || name == "atomic" || name == "sliced",
-              "VQLCMD_NOISE_BACKWARD must be atomic or sliced, got '", name, "'");
-  return name == "sliced";
-}
-
-// VQLCMD_NOISE_SLICED_SPLITS: a positive number of row splits for the sliced backward, in place
-// of its own choice (for tuning on a new card; 1 is the one without zero-fill); 0 when unset.
-int64_t sliced_splits_override() {
-  const char* v = std::getenv("VQLCMD_NOISE_SLICED_SPLITS");
-  if (v == nullptr || *v == '\0') return 0;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  TORCH_CHECK(*end == '\0' && n > 0, "VQLCMD_NOISE_SLICED_SPLITS must be a positive integer, got '", v, "'");
-  return n;
-}
-
-// Row splits of the sliced backward: about one block per multiprocessor in all (64 slices of
-// D = 256 on 132 SMs: 2 splits), each split at least kMinSplitTokens long. Fewer blocks would
-// leave SMs idle and put all of a slice's shared-memory atomics on one SM; more would add
-// another V x D of atomics into memory per split. Also whether the slice fits shared memory.
-struct SlicedLaunch {
-  bool fits = false;
-  int64_t splits = 1, split_tokens = 0;
-  size_t smem = 0;
-};
-
-SlicedLaunch sliced_launch(int64_t N, int64_t D, int64_t V) {
-  SlicedLaunch l;
-  const int sms = cuda::multiprocessors();
-  int smem_max = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                        c10::cuda::current_device()));
-  l.smem = static_cast<size_t>(V) * kSliceCols * sizeof(float);
-  l.fits = l.smem <= static_cast<size_t>(smem_max);
-  const int64_t slices = D / kSliceCols;
-  const int64_t wanted = std::max<int64_t>(1, (sms + slices / 2) / slices);
-  const int64_t forced = sliced_splits_override();
-  l.splits = std::min<int64_t>(forced > 0 ? forced : std::max<int64_t>(1, std::min(wanted, N / kMinSplitTokens)),
-                                65535);  // gridDim.y
-  // whole thread chunks per split, so no chunk straddles two splits
-  const int64_t chunk = kTokensPerThread;
-  l.split_tokens = ((N + l.splits - 1) / l.splits + chunk - 1) / chunk * chunk;
-  l.splits = (N + l.split_tokens - 1) / l.split_tokens;
-  return l;
-}
-
-template <typename grad_t>
-void launch_sliced_backward(const SlicedLaunch& l, const grad_t* grad, const TokenIds& ids, const float* alpha,
-                            float* out, int64_t N, int64_t M, int64_t D, int64_t V, int64_t hot_row, int* bad,
-                            cudaStream_t stream) {
-  auto kernel = noise_backward_sliced_kernel<grad_t>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(l.smem)));
-  const dim3 grid(static_cast<unsigned>(D / kSliceCols), static_cast<unsigned>(l.splits));
-  kernel<<<grid, kSlicedThreads, l.smem, stream>>>(grad, ids.ids_ptr(), ids.drop_ptr(), ids.mask_index, alpha, out, N,
-                                                    M, D, V, hot_row, l.split_tokens, l.splits > 1, bad);
-}
-
 // At most one item per thread; with a hot row also at most kHotBlocksPerSm
 // blocks per multiprocessor, as each block ends with D / kPack atomics on that
 // row. H200, 16384 tokens, D = 256, 20% dropped: 15.8 us at 4 or more blocks
@@ -465,7 +329,7 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
   check_float_kind(grad, "grad");
   check_backward_devices(grad, tokens, drop_mask, alpha);
   check_token_inputs(tokens, drop_mask, mask_index);
-  // the atomic and sliced kernels pick each token's row themselves; the sorted one sorts the rows
+  // the atomic kernel picks each token's row itself; the sorted one sorts the rows
   // (token_rows), so it needs no flat ids
   const TokenIds ids = deterministic ? TokenIds{} : token_ids(tokens, drop_mask, mask_index);
   TORCH_CHECK(grad.dim() == 3 && grad.size(0) == tokens.size(0) && grad.size(1) == tokens.size(1),
@@ -474,23 +338,14 @@ at::Tensor noise_embeddings_backward_cuda(const at::Tensor& grad, const at::Tens
   const at::Tensor g = grad.contiguous();
   // four columns move as one Pack4 (out is a fresh allocation, so aligned)
   const bool packed = D % 4 == 0 && reinterpret_cast<uintptr_t>(g.data_ptr()) % (4 * g.element_size()) == 0;
-  const bool want_sliced = sliced_backward_requested();  // checked on every call, so a typo never passes
-  SlicedLaunch sliced;
-  // (D > 0: sliced_launch divides by the number of column slices)
-  if (want_sliced && !deterministic && N > 0 && D > 0 && packed) sliced = sliced_launch(N, D, num_rows);
-  // one split stores every element of its slices: no zero-fill
-  at::Tensor out = sliced.fits && sliced.splits == 1 ? at::empty({num_rows, D}, grad.options().dtype(at::kFloat))
-                                                     : at::zeros({num_rows, D}, grad.options().dtype(at::kFloat));
+  at::Tensor out = at::zeros({num_rows, D}, grad.options().dtype(at::kFloat));
   if (N == 0 || D == 0) return out;
   const at::Tensor al = per_batch(alpha, tokens.size(0), "alpha");
   cuda::BadIdFlag bad(grad.device());
   const cudaStream_t stream = cuda::current_stream();
   const int64_t hot_row = drop_mask.has_value() && row_in_range(mask_index, num_rows) ? mask_index : -1;
   VQLCMD_DISPATCH_FLOAT(g.scalar_type(), "noise_embeddings_backward_cuda", [&] {
-    if (sliced.fits) {
-      launch_sliced_backward<scalar_t>(sliced, g.data_ptr<scalar_t>(), ids, al.data_ptr<float>(),
-                                       out.data_ptr<float>(), N, M, D, num_rows, hot_row, bad.ptr(), stream);
-    } else if (deterministic) {
+    if (deterministic) {
       const auto [sorted, order] =
           at::sort(token_rows(tokens, drop_mask, mask_index), /*stable=*/true, /*dim=*/0, /*descending=*/false);
       // every position pass 2 reads is a piece start that pass 1 wrote: no zero-fill

@@ -111,5 +111,10 @@ int main() {
   KlSums b = kl_sums_empty();
   kl_sums_add(b, NAN, 0.0f, NAN, 1.0f);  // shifted by a -inf max: (-inf) - (-inf)
   CHECK(kl_from_sums(b, -INFINITY) == 0.0f);
+  // the streamed form's: a teacher row of -inf has a -inf normaliser, so its terms are NaN and the
+  // kernels take its KL (0) from teacher_row_empty instead (the streamed CUDA one once summed them)
+  const RowNorm empty = row_norm(lse_push_n(lse_empty(), all_inf));
+  CHECK(std::isnan(kl_term(-INFINITY, 0.0f, empty, n)));
+  CHECK(teacher_row_empty(empty.max) && !teacher_row_empty(n.max));
   return g_failures;
 }

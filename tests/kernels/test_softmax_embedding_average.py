@@ -6,9 +6,11 @@ the shapes still cross every tile edge: K = 1000 spans several K tiles with a ra
 D = 48 and D = 300 are ragged.
 The four backward variants (the fused kernel, the split kernels, the chunked one that leaves
 its products to torch.mm, and "mm", the split dlogits kernel writing P for a torch.mm dtable;
-VQLCMD_TRITON_BACKWARD) are run, the split and mm ones also with the dlogits kernel summing delta
-itself (VQLCMD_TRITON_DELTA=fused), and the spy ``launched`` checks which kernels a backward
-actually took. The chunked variant's chunks are 128 rows under the interpreter.
+VQLCMD_TRITON_BACKWARD) are run, the split and mm ones with either dlogits kernel (tiles, or
+rows summing delta itself; VQLCMD_TRITON_DLOGITS), and the spy ``launched`` checks which kernels
+a backward actually took. The defaults choose by the inputs' dtype, not by the interpreter's
+float32 operands, so bf16 inputs run here the kernels a GPU runs for them by default. The chunked
+variant's chunks are 128 rows under the interpreter.
 """
 import pytest
 import torch
@@ -61,13 +63,24 @@ def launched(sea, monkeypatch):
 VARIANTS = ["fused", "split", "chunked", "mm"]
 
 
-def backward_kernels(sea, variant, N, D, dot):
-    """What a backward of both gradients launches through ``_launch`` under the interpreter."""
+def is_16_bit(dtype):
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def forward_kernel(dtype):
+    """What the default forward launches: the fixed-max kernel ("first-tile") for 16-bit inputs."""
+    return "forward_fixed_max" if is_16_bit(dtype) else "forward"
+
+
+def backward_kernels(sea, variant, N, D, dot, rows=False):
+    """What a backward of both gradients launches through ``_launch`` under the interpreter; ``rows``: the
+    rows dlogits kernel was asked for (the 16-bit default), which the split and mm backwards take."""
+    dlogits = "grad_logits_rows" if rows and variant in ("split", "mm") else "grad_logits"
     if variant == "chunked":
         return ["chunk"] * -(-N // 128)
     if variant == "mm":  # the dtable product is a torch.mm, not a launch
-        return ["grad_logits"]
-    return ["fused_backward"] if variant == "fused" and sea.fused_fits(D, dot) else ["grad_logits", "grad_table"]
+        return [dlogits]
+    return ["fused_backward"] if variant == "fused" and sea.fused_fits(D, dot) else [dlogits, "grad_table"]
 
 
 def assert_matches_reference(lead, K, D, dtype, device):
@@ -81,14 +94,56 @@ def assert_matches_reference(lead, K, D, dtype, device):
     return logits, table
 
 
-def test_auto_backward_is_mm_for_16_bit_operands_and_split_for_float32(sea, monkeypatch):
+def test_auto_variants_follow_the_h200_measurements_by_input_dtype(sea, monkeypatch):
+    # benchmarks/results/h200-2026-11-28.jsonl (bf16): the first-tile forward and the rows dlogits kernel
+    # won; float32 keeps the one-pass forward (Triton 3.6 did not compile the fixed-max one for it) and
+    # the tiles, and the split backward
+    for env in ("VQLCMD_TRITON_FORWARD", "VQLCMD_TRITON_BACKWARD", "VQLCMD_TRITON_DLOGITS"):
+        monkeypatch.delenv(env, raising=False)
+    assert sea.forward_variant() == sea.backward_variant() == sea.dlogits_variant() == "auto"
+    assert [f(is_16_bit=True) for f in (sea.forward_variant, sea.backward_variant, sea.dlogits_variant)] == [
+        "first-tile", "mm", "rows"]
+    assert [f(is_16_bit=False) for f in (sea.forward_variant, sea.backward_variant, sea.dlogits_variant)] == [
+        "fused", "split", "tiles"]
+    assert sea.backward_variant("fused", is_16_bit=True) == "fused"  # an explicit choice stands
+    assert sea.forward_variant("chunked", is_16_bit=True) == "chunked"
+    assert sea.dlogits_variant("tiles", is_16_bit=True) == "tiles"
+    x = torch.empty(1)
+    assert sea.sixteen_bit(x.bfloat16(), x.bfloat16()) and sea.sixteen_bit(x.half())
+    assert not sea.sixteen_bit(x.bfloat16(), x)  # promotes to float32
+
+
+def test_float32_operands_take_the_one_pass_forward_on_a_gpu(sea, monkeypatch):
+    # Triton 3.6 failed to compile the fixed-max forward for float32 operands on an H200
+    # (benchmarks/results/h200-2026-11-28-gpu-tests.txt): on a GPU (interpreted False here) float32
+    # inputs launch the one-pass kernel, by default and when "first-tile" is asked for alike
     import triton.language as tl
 
-    monkeypatch.delenv("VQLCMD_TRITON_BACKWARD", raising=False)
-    assert sea.backward_variant() == "auto"
-    assert sea.backward_variant(dot=tl.bfloat16) == sea.backward_variant(dot=tl.float16) == "mm"
-    assert sea.backward_variant(dot=tl.float32) == "split"
-    assert sea.backward_variant("fused", dot=tl.bfloat16) == "fused"  # an explicit choice stands
+    from vqlcmd.kernels import _launch
+
+    monkeypatch.delenv("VQLCMD_TRITON_FORWARD", raising=False)
+    monkeypatch.setattr(_launch, "interpreted", False)
+    assert not _launch.fixed_max_fits(tl.float32)
+    assert _launch.fixed_max_fits(tl.bfloat16) and _launch.fixed_max_fits(tl.float16)
+    names = []
+    monkeypatch.setattr(sea, "_launch", lambda name, *args, **kwargs: names.append(name))  # records, runs nothing
+    logits, table = torch.randn(4, 32), torch.randn(32, 8)
+    for variant in (None, "first-tile"):
+        sea.forward(logits, table, variant=variant)
+    assert names == ["forward", "forward"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_defaults_launch_what_a_gpu_runs_for_the_dtype(dtype, device, sea, launched, monkeypatch):
+    # no variant asked for: bf16 takes the first-tile forward and the mm backward's rows dlogits kernel
+    # (dtable by torch.mm), float32 the one-pass forward and the split backward's tile kernels; the same
+    # launches on a GPU as in the interpreter
+    for env in ("VQLCMD_TRITON_FORWARD", "VQLCMD_TRITON_BACKWARD", "VQLCMD_TRITON_DLOGITS"):
+        monkeypatch.delenv(env, raising=False)
+    assert_matches_reference((130,), 1000, 48, dtype, device)
+    expected = {torch.bfloat16: ["forward_fixed_max", "grad_logits_rows"],
+                torch.float32: ["forward", "grad_logits", "grad_table"]}
+    assert launched == expected[dtype]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -98,24 +153,28 @@ def test_output_and_gradients_match_reference(lead, K, D, dtype, variant, device
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
     logits, _ = assert_matches_reference(lead, K, D, dtype, device)
     if not torch.cuda.is_available():  # on a GPU fp32 never takes the fused kernel, and chunks are larger
-        assert launched == ["forward", *backward_kernels(sea, variant, logits[..., 0].numel(), D, None)]
+        N = logits[..., 0].numel()
+        assert launched == [forward_kernel(dtype), *backward_kernels(sea, variant, N, D, None, is_16_bit(dtype))]
 
 
 @pytest.mark.parametrize("variant", ["split", "mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D", SHAPES)
-def test_rows_dlogits_kernel_matches_reference(lead, K, D, dtype, variant, device, sea, launched, monkeypatch):
-    # the dlogits kernel over blocks of whole rows (VQLCMD_TRITON_DLOGITS=rows), which sums delta itself:
-    # K = 1024 and D = 256 fill its tiles (EVEN_K, EVEN_D), K = 1000 and D = 48 do not
+def test_other_dlogits_kernel_matches_reference(lead, K, D, dtype, variant, device, sea, launched, monkeypatch):
+    # the dlogits kernel the dtype does not take by default: for float32 the one over blocks of whole rows
+    # (VQLCMD_TRITON_DLOGITS=rows, which sums delta itself; on a GPU float32 keeps the tiles), for bf16 the
+    # tiles one after the delta kernel. K = 1024 and D = 256 fill the tiles (EVEN_K, EVEN_D), K = 1000 and
+    # D = 48 do not
+    rows = not is_16_bit(dtype)
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
-    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", "rows")
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", "rows" if rows else "tiles")
     logits, _ = assert_matches_reference(lead, K, D, dtype, device)
     if not torch.cuda.is_available():
-        tail = ["grad_table"] if variant == "split" else []
-        assert launched == ["forward", "grad_logits_rows", *tail]
+        N = logits[..., 0].numel()
+        assert launched == [forward_kernel(dtype), *backward_kernels(sea, variant, N, D, None, rows)]
 
 
-@pytest.mark.parametrize("forward,dlogits", [("fused", "tiles"), ("first-tile", "rows"), ("two-pass", "rows")])
+@pytest.mark.parametrize("forward,dlogits", [("fused", "tiles"), ("first-tile", "rows")])
 @pytest.mark.parametrize("lead,K,D", [((3,), 7, 5), ((2,), 1, 3), ((5,), 300, 1)])
 def test_tiny_shapes_every_kernel_variant(lead, K, D, forward, dlogits, device, monkeypatch):
     # one class, one embedding column, tiles far larger than the problem, through the mm backward
@@ -148,20 +207,24 @@ def test_chunked_forward_matches_reference(lead, K, D, dtype, device, sea, launc
         assert launched == ["chunk_probs"] * chunks + ["chunk"] * chunks + ["chunk_probs"] * chunks
 
 
-@pytest.mark.parametrize("forward", ["two-pass", "first-tile"])
+@pytest.mark.parametrize("forward", ["fused", "first-tile"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D", SHAPES)
-def test_fixed_max_forward_matches_reference(lead, K, D, dtype, forward, device, sea, launched, monkeypatch):
-    # P·table against a fixed per-row max (each row's own, or its first K tile's), no online rescaling,
-    # and the log-sum-exp it saves; K = 1024 and D = 256 fill every tile (the kernel's EVEN_K / EVEN_D
-    # path, no masks), K = 1000 and D = 48 end on ragged ones
+def test_each_forward_and_its_log_sum_exp_match_reference(lead, K, D, dtype, forward, device, sea, launched,
+                                                          monkeypatch):
+    # the one-pass forward and the first-tile one (P·table against its first K tile's max, no online
+    # rescaling; on a GPU float32 takes the one-pass kernel), and the log-sum-exp each saves; K = 1024 and
+    # D = 256 fill every tile (the kernels' EVEN_K / EVEN_D path, no masks), K = 1000 and D = 48 end on
+    # ragged ones
     monkeypatch.setenv("VQLCMD_TRITON_FORWARD", forward)
     logits, table = assert_matches_reference(lead, K, D, dtype, device)
     _, lse = sea.forward(logits.reshape(-1, K), table)
     torch.testing.assert_close(lse, logits.reshape(-1, K).float().logsumexp(-1), rtol=1e-5, atol=1e-5)
     if not torch.cuda.is_available():
         N = logits[..., 0].numel()
-        assert launched == ["forward_fixed_max", *backward_kernels(sea, "split", N, D, None), "forward_fixed_max"]
+        name = "forward_fixed_max" if forward == "first-tile" else "forward"
+        backward = backward_kernels(sea, "mm" if is_16_bit(dtype) else "split", N, D, None, is_16_bit(dtype))
+        assert launched == [name, *backward, name]
 
 
 @pytest.mark.parametrize("spread", [39.0, 41.0, 60.0, 95.0, 1e4])  # 95: e^95 is past float32
@@ -269,10 +332,10 @@ def test_deterministic_mode_fixes_the_tiles_on_a_gpu(monkeypatch):
     assert fixed is not None and fixed["BLOCK_K"] <= 1024
 
 
-@pytest.mark.parametrize("forward", ["fused", "two-pass", "first-tile"])
+@pytest.mark.parametrize("forward", ["fused", "first-tile"])
 def test_extreme_logits_stay_finite(forward, device, sea, monkeypatch):
     # logits of ±1e4, a row's max in its last K tile far above the first tiles' (what the one-pass
-    # kernel rescales for and the two-pass one must find in its first sweep), rows of equal logits
+    # kernel rescales for and the first-tile one must sweep again for), rows of equal logits
     monkeypatch.setenv("VQLCMD_TRITON_FORWARD", forward)
     logits, table = make((6,), 1000, 24, torch.float32, device)
     logits[0, -1] = 1e4
@@ -300,23 +363,20 @@ def test_extreme_logits_stay_finite(forward, device, sea, monkeypatch):
 NEEDS = [(True, True), (True, False), (False, True)]
 
 
-# (backward variant, where its dlogits kernel takes delta from, which dlogits kernel): the fused and
-# chunked backwards always read the delta kernel's output, split and mm may sum delta themselves, and
-# their rows dlogits kernel always does
-VARIANT_DELTAS = [("fused", "kernel", "tiles"), ("split", "kernel", "tiles"), ("chunked", "kernel", "tiles"),
-                  ("mm", "kernel", "tiles"), ("split", "fused", "tiles"), ("mm", "fused", "tiles"),
-                  ("split", "kernel", "rows"), ("mm", "kernel", "rows"), ("fused", "kernel", "rows")]
+# (backward variant, which dlogits kernel): the fused and chunked backwards have their own, split and mm
+# take the tiles one (after the delta kernel) or the rows one (which sums delta itself)
+VARIANT_DLOGITS = [("fused", "tiles"), ("split", "tiles"), ("chunked", "tiles"), ("mm", "tiles"),
+                   ("split", "rows"), ("mm", "rows"), ("fused", "rows")]
 
 
-@pytest.mark.parametrize("variant,delta,dlogits", VARIANT_DELTAS)
+@pytest.mark.parametrize("variant,dlogits", VARIANT_DLOGITS)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, delta, dlogits, device, sea, launched,
+def test_backward_kernels_with_lse_gradient(dtype, deterministic, variant, dlogits, device, sea, launched,
                                             monkeypatch):
     # The backward entry point directly: every (need_logits, need_table) pair, a gradient on lse as
     # well as on the output, atomic and split-by-split dtable sums. 300 rows: three row splits with
     # a ragged last one (splits are 128 rows under the interpreter).
-    monkeypatch.setenv("VQLCMD_TRITON_DELTA", delta)
     monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", dlogits)
     N, K, D = 300, 1000, 48
     logits, table = make((N,), K, D, dtype, device, seed=2)
@@ -365,16 +425,13 @@ def test_wide_tables_and_unknown_variants(sea, launched, monkeypatch):
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "fast")
     with pytest.raises(ValueError, match="VQLCMD_TRITON_BACKWARD"):
         sea.backward(out, out, lse, logits, table)
-    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "split")
-    with pytest.raises(ValueError, match="VQLCMD_TRITON_FORWARD"):
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "two-pass")  # deleted: it lost on an H200
+    with pytest.raises(ValueError, match="VQLCMD_TRITON_FORWARD must be one of auto, fused, first-tile, chunked"):
         sea.forward(logits, table)
     monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "chunked")
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "chunked")
     monkeypatch.setenv("VQLCMD_TRITON_CHUNK_ROWS", "0")
     with pytest.raises(ValueError, match="VQLCMD_TRITON_CHUNK_ROWS"):
-        sea.backward(out, out, lse, logits, table)
-    monkeypatch.setenv("VQLCMD_TRITON_DELTA", "twice")  # refused whatever the backward variant
-    with pytest.raises(ValueError, match="VQLCMD_TRITON_DELTA"):
         sea.backward(out, out, lse, logits, table)
 
 
@@ -394,10 +451,10 @@ def test_chunked_backward_any_chunk_size(chunk_rows, device, sea, launched, monk
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("delta", ["kernel", "fused"])
-def test_fused_delta_replaces_the_delta_kernel_in_split_and_mm(delta, variant, device, sea, monkeypatch):
+@pytest.mark.parametrize("dlogits", ["tiles", "rows"])
+def test_the_rows_kernel_replaces_the_delta_kernel_in_split_and_mm(dlogits, variant, device, sea, monkeypatch):
     # under the interpreter (float32 operands) and with 16-bit ones on a GPU; the fused and chunked
-    # backwards read delta from memory whatever VQLCMD_TRITON_DELTA says
+    # backwards read delta from memory whatever VQLCMD_TRITON_DLOGITS says
     delta_launches = []
     original = sea._delta_kernel
 
@@ -407,23 +464,23 @@ def test_fused_delta_replaces_the_delta_kernel_in_split_and_mm(delta, variant, d
             return original[grid]
 
     monkeypatch.setattr(sea, "_delta_kernel", Spy())
-    monkeypatch.setenv("VQLCMD_TRITON_DELTA", delta)
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", dlogits)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     logits, table = make((40,), 100, 32, dtype, device)
     out, lse = sea.forward(logits, table)
     sea.backward(torch.randn_like(out), out, lse, logits, table, variant=variant)
-    own = delta == "fused" and variant in ("split", "mm")
+    own = dlogits == "rows" and variant in ("split", "mm")
     assert len(delta_launches) == (0 if own else 1)
 
 
-@pytest.mark.parametrize("delta", ["kernel", "fused"])
-def test_mm_backward_rows_in_pieces_when_p_is_large(delta, device, sea, launched, monkeypatch):
+@pytest.mark.parametrize("dlogits", ["tiles", "rows"])
+def test_mm_backward_rows_in_pieces_when_p_is_large(dlogits, device, sea, launched, monkeypatch):
     # P capped at 128 rows of K = 1000 float32 (interpreter) / 16-bit (GPU): 257 rows in three pieces,
     # the last of one row, each a dlogits launch and a product added into one float32 dtable; with
-    # delta summed by the dlogits kernel, each piece reads its own rows of Y
+    # delta summed by the rows dlogits kernel, each piece reads its own rows of Y
     from vqlcmd.kernels import _launch
 
-    monkeypatch.setenv("VQLCMD_TRITON_DELTA", delta)
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", dlogits)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     p_bytes = dtype.itemsize  # P is stored in the dot operand dtype: the inputs' here
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "mm")
@@ -435,7 +492,7 @@ def test_mm_backward_rows_in_pieces_when_p_is_large(delta, device, sea, launched
     ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
     assert_close(g_logits, r_logits, dtype)
     assert_close(g_table, r_table, dtype)
-    assert launched.count("grad_logits") == 3
+    assert launched.count("grad_logits" if dlogits == "tiles" else "grad_logits_rows") == 3
 
 
 @pytest.mark.parametrize("table_dtype", [torch.float16, torch.float32])
@@ -469,7 +526,7 @@ def test_only_logits_need_gradient(device):
     assert_close(logits.grad, expected.grad, torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["fused", "two-pass", "first-tile", "chunked"])
+@pytest.mark.parametrize("variant", ["fused", "first-tile", "chunked"])
 def test_masked_classes_are_ignored(variant, device, monkeypatch):
     # -inf logits (masked classes), including a whole first K tile, give no NaN
     monkeypatch.setenv("VQLCMD_TRITON_FORWARD", variant)
@@ -528,7 +585,7 @@ def test_empty_batch_and_non_contiguous_inputs(device):
 
 # ---- guided variant ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("forward", ["fused", "two-pass", "first-tile", "chunked"])
+@pytest.mark.parametrize("forward", ["fused", "first-tile", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead,K,D,scale", [((2, 8), 1024, 256, 1.0), ((257,), 1000, 48, 3.5)])
 def test_guided_matches_reference(lead, K, D, scale, dtype, forward, device, monkeypatch):
@@ -594,7 +651,7 @@ def test_traces_under_torch_compile(device):
                                            (torch.float32, "chunked")])
 def test_gpu_goal_shape(dtype, variant, deterministic, monkeypatch):
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
-    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "chunked" if variant == "chunked" else "fused")
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "chunked" if variant == "chunked" else "auto")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic torch.mm (chunked)
     logits, table = make((32, 1024), 1024, 256, dtype, "cuda")  # N = 32768: autotuned path
     upstream = torch.randn(32, 1024, 256, device="cuda", dtype=dtype)
@@ -610,12 +667,12 @@ def test_gpu_goal_shape(dtype, variant, deterministic, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("forward", ["two-pass", "first-tile"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_fixed_max_forward_goal_shape(dtype, forward, sea, monkeypatch):
-    # the autotuned fixed-max forwards (N = 32768), their log-sum-exp, and their guided variant; rows
-    # 5 and 9 spread beyond max_gap, so that first-tile's row blocks holding them sweep again
-    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", forward)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fixed_max_forward_goal_shape(dtype, sea, launched, monkeypatch):
+    # the autotuned first-tile forward (N = 32768; the 16-bit default), its log-sum-exp, and its guided
+    # variant; rows 5 and 9 spread beyond max_gap, so that the row blocks holding them sweep again. (float32
+    # takes the one-pass forward: test_float32_operands_take_the_one_pass_forward_on_a_gpu.)
+    monkeypatch.delenv("VQLCMD_TRITON_FORWARD", raising=False)
     logits, table = make((32768,), 1024, 256, dtype, "cuda")
     logits[5, 1000] = 60.0
     logits[9000, 700] = 45.0
@@ -625,20 +682,24 @@ def test_gpu_fixed_max_forward_goal_shape(dtype, forward, sea, monkeypatch):
     uncond, _ = make((32768,), 1024, 256, dtype, "cuda", seed=3)
     guided = ops.guided_embedding_average(logits, uncond, table, 1.0, backend="triton")
     assert_close(guided, reference.guided_embedding_average(logits, uncond, table, 1.0), dtype)
+    assert launched == ["forward_fixed_max"] * 2
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dlogits", ["rows", "tiles"])
 @pytest.mark.parametrize("variant", ["mm", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_rows_dlogits_goal_shape(dtype, variant, sea, launched, monkeypatch):
-    # the autotuned rows dlogits kernel (N = 32768) in both backwards that use it, against the reference
+def test_gpu_dlogits_goal_shape(dtype, variant, dlogits, sea, launched, monkeypatch):
+    # the autotuned dlogits kernels (N = 32768; rows, the 16-bit default, and tiles) in both backwards that
+    # use them, against the reference
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", variant)
-    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", "rows")
+    monkeypatch.setenv("VQLCMD_TRITON_DLOGITS", dlogits)
     logits, table = make((32, 1024), 1024, 256, dtype, "cuda")
     upstream = torch.randn(32, 1024, 256, device="cuda", dtype=dtype)
     out, g_logits, g_table = grads(triton_average, logits, table, upstream)
     ref, r_logits, r_table = grads(reference.softmax_embedding_average, logits, table, upstream)
-    assert "grad_logits_rows" in launched and "grad_logits" not in launched, launched
+    kernel, other = ("grad_logits_rows", "grad_logits") if dlogits == "rows" else ("grad_logits", "grad_logits_rows")
+    assert kernel in launched and other not in launched, launched
     assert_close(out, ref, dtype)
     assert_close(g_logits, r_logits, dtype)
     assert_close(g_table, r_table, dtype)

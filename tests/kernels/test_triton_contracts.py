@@ -113,7 +113,7 @@ def launches(sea, monkeypatch):
 def test_an_explicit_variant_beats_the_environment(sea, launches, monkeypatch):
     # forward_variant / backward_variant: "``variant``, else $VQLCMD_TRITON_..., else" the default
     logits, table = make((20,), 40, 8, torch.float32, "cpu")
-    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "two-pass")
+    monkeypatch.setenv("VQLCMD_TRITON_FORWARD", "first-tile")
     monkeypatch.setenv("VQLCMD_TRITON_BACKWARD", "chunked")
     assert sea.forward_variant("fused") == "fused" and sea.backward_variant("split") == "split"
     out, lse = sea.forward(logits, table, variant="fused")
@@ -141,19 +141,6 @@ def test_deterministic_backward_sums_the_splits_without_atomics(variant, sea, la
         torch.testing.assert_close(g_logits, x.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_each_fixed_max_variant_runs_its_own_sweep(sea, launches):
-    # forward_variant: "two-pass" finds each row's max in a first sweep (MAX_FIRST), "first-tile" takes the
-    # first K tile's max; both give the op's values
-    logits, table = make((20,), 600, 8, torch.float32, "cpu")
-    expected = reference.softmax_embedding_average(logits, table)
-    for variant, max_first in (("two-pass", True), ("first-tile", False)):
-        launches.clear()
-        out, lse = sea.forward(logits, table, variant=variant)
-        assert [(name, const["MAX_FIRST"]) for name, const in launches] == [("forward_fixed_max", max_first)]
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(lse, logits.logsumexp(-1))
-
-
 def test_whole_row_kernels_take_tables_up_to_256_wide():
     # fused_fits / rows_fit: "D <= 256" (the configs' widest D tile), 16-bit operands on a GPU
     import triton.language as tl
@@ -173,7 +160,7 @@ def test_mm_backward_keeps_p_whole_up_to_its_byte_cap(monkeypatch):
     assert _launch.mm_rows(301, 1000, 2) == 256  # over it: whole blocks of 128 rows that fit
 
 
-@pytest.mark.parametrize("variant", ["fused", "first-tile", "two-pass"])
+@pytest.mark.parametrize("variant", ["fused", "first-tile"])
 def test_a_fully_masked_row_gets_the_log_sum_exp_of_minus_inf(variant, sea):
     # _finite_reference: "a row of -inf logits (all classes masked) takes 0, so that it gets exp2(-inf) = 0
     # everywhere, as in the one-pass kernel": its lse is logsumexp's -inf (its average is the reference's NaN),

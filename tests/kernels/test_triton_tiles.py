@@ -26,18 +26,13 @@ def test_each_launcher_computes_what_the_library_does(cfg, device):
     launcher("forward", cfg)()
     torch.testing.assert_close(t["out"], ref_out)
     torch.testing.assert_close(t["lse"], ref_lse)
-    for forward in ("forward_first_tile", "forward_two_pass"):  # K = 48: whole K tiles at BLOCK_K = 16, one ragged at 64
-        for name in ("out", "lse"):
-            t[name].zero_()
-        launcher(forward, cfg)()
-        torch.testing.assert_close(t["out"], ref_out)
-        torch.testing.assert_close(t["lse"], ref_lse)
+    for name in ("out", "lse"):  # K = 48: whole K tiles at BLOCK_K = 16, one ragged at 64
+        t[name].zero_()
+    launcher("forward_first_tile", cfg)()
+    torch.testing.assert_close(t["out"], ref_out)
+    torch.testing.assert_close(t["lse"], ref_lse)
     launcher("grad_logits", cfg)()
     torch.testing.assert_close(t["grad_logits"], ref_logits)
-    t["grad_logits"].zero_()
-    launcher("grad_logits+delta", cfg)()
-    torch.testing.assert_close(t["grad_logits"], ref_logits)
-    torch.testing.assert_close(t["p"], torch.softmax(t["logits"], -1))
     for name in ("grad_logits", "p"):
         t[name].zero_()
     launcher("grad_logits_rows", cfg)()  # its launcher widens BLOCK_D to the whole row (D = 32)

@@ -140,16 +140,9 @@ def test_categorical_kl_cuda_extreme_logits_register_path():
             torch.testing.assert_close(kl, ref, rtol=1e-5, atol=1e-2)
 
 
-# the non-deterministic CUDA backwards (VQLCMD_NOISE_BACKWARD): atomics into the table, or into a
-# slice of it in shared memory
-NOISE_BACKWARDS = ["atomic", "sliced"]
-
-
-@pytest.mark.parametrize("backward", NOISE_BACKWARDS)
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
 @pytest.mark.parametrize("D", [256, 13])
-def test_noise_embeddings_cuda(D, dtype, backward, monkeypatch):
-    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", backward)
+def test_noise_embeddings_cuda(D, dtype):
     g = torch.Generator(CUDA).manual_seed(2)
     B, M, V = 4, 33, 65
     tokens = torch.randint(0, V - 1, (B, M), device=CUDA, generator=g)
@@ -182,15 +175,13 @@ def test_noise_backward_cuda_deterministic_mode_matches_atomics():
     torch.testing.assert_close(runs[0].cpu(), cpu, atol=1e-3, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backward", NOISE_BACKWARDS)
 @pytest.mark.parametrize("misaligned", [False, True])
 @pytest.mark.parametrize("M", [3, 13])
 @pytest.mark.parametrize("D", [256, 12, 5])
-def test_noise_backward_cuda_hot_rows(D, M, misaligned, backward, monkeypatch):
+def test_noise_backward_cuda_hot_rows(D, M, misaligned):
     """Atomic backward against float64 when most tokens share a few rows (and the [mask] row): a thread's
     chunk of tokens merges equal rows and spans batches (M < chunk), grads of a misaligned view take the
-    single-column kernel (the sliced one needs aligned columns)."""
-    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", backward)
+    single-column kernel."""
     g = torch.Generator(CUDA).manual_seed(10)
     B, V = 7, 6
     tokens = torch.randint(0, 2, (B, M), device=CUDA, generator=g)
@@ -205,9 +196,7 @@ def test_noise_backward_cuda_hot_rows(D, M, misaligned, backward, monkeypatch):
         torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backward", NOISE_BACKWARDS)
-def test_noise_backward_cuda_bad_ids_raise(backward, monkeypatch):
-    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", backward)
+def test_noise_backward_cuda_bad_ids_raise():
     grad = torch.randn(1, 3, 8, device=CUDA)
     one = torch.ones(1, device=CUDA)
     for bad in ([[1, 9, 0]], [[1, -2, 0]]):
@@ -218,21 +207,15 @@ def test_noise_backward_cuda_bad_ids_raise(backward, monkeypatch):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("N,D,V,splits", [
-    (16384, 256, 1025, None),  # the benchmark's shape, its own choice of row splits (2 on 132 SMs)
-    (16384, 256, 1025, "1"),  # one split: the slice stored, no zero-fill
-    (16384, 256, 1025, "5"),  # splits ragged against the thread chunks, added atomically
-    (3 * 4096 + 5, 8, 1025, None),  # two slices, so several row splits; a ragged last split
-    (4096, 16, 20000, None),  # 20000 rows x 16 bytes do not fit shared memory: the atomic kernel takes it
-    (40, 256, 3000, None),  # few tokens, most table rows untouched: the stored slice zeroes them
-    (64, 0, 10, None),  # D = 0: no column slices, an empty gradient (the launcher must not divide by 0)
+@pytest.mark.parametrize("N,D,V", [
+    (16384, 256, 1025),  # the benchmark's shape
+    (3 * 4096 + 5, 8, 1025),  # a ragged last chunk of tokens
+    (40, 256, 3000),  # few tokens, most table rows untouched (zero)
+    (64, 0, 10),  # D = 0: an empty gradient
 ])
-def test_noise_backward_cuda_sliced_matches_float64(N, D, V, splits, monkeypatch):
-    """The sliced backward against a float64 index_add, with 20% of tokens dropped to the [mask] row
-    (summed in registers) and the rest spread over the table."""
-    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", "sliced")
-    if splits is not None:
-        monkeypatch.setenv("VQLCMD_NOISE_SLICED_SPLITS", splits)
+def test_noise_backward_cuda_matches_float64(N, D, V):
+    """The atomic backward against a float64 index_add, with 20% of tokens dropped to the [mask] row
+    (summed in shared memory) and the rest spread over the table."""
     g = torch.Generator(CUDA).manual_seed(11)
     B = 4 if N % 4 == 0 else 1
     M = N // B
@@ -245,21 +228,6 @@ def test_noise_backward_cuda_sliced_matches_float64(N, D, V, splits, monkeypatch
     expected = torch.zeros(V, D, dtype=torch.float64, device=CUDA).index_add_(
         0, ids, (grad.double() * alpha.double()[:, None, None]).reshape(B * M, D))  # (-1, 0) is ambiguous: D = 0
     torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-5)
-
-
-@pytest.mark.parametrize("env,value,message", [
-    ("VQLCMD_NOISE_BACKWARD", "fast", "VQLCMD_NOISE_BACKWARD must be atomic or sliced"),
-    ("VQLCMD_NOISE_SLICED_SPLITS", "0", "VQLCMD_NOISE_SLICED_SPLITS must be a positive integer"),
-    ("VQLCMD_NOISE_SLICED_SPLITS", "2x", "VQLCMD_NOISE_SLICED_SPLITS must be a positive integer"),
-])
-def test_noise_backward_switches_refuse_bad_values(env, value, message, monkeypatch):
-    monkeypatch.setenv("VQLCMD_NOISE_BACKWARD", "sliced")
-    monkeypatch.setenv(env, value)
-    one = torch.ones(1, device=CUDA)
-    with pytest.raises(RuntimeError, match=message):
-        torch.ops.vqlcmd.noise_embeddings_backward(torch.randn(1, 3, 8, device=CUDA),
-                                                   torch.zeros(1, 3, dtype=torch.long, device=CUDA), None, -1, one,
-                                                   5, False)
 
 
 @pytest.mark.parametrize("D", [256, 7])

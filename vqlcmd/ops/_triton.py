@@ -191,11 +191,12 @@ def _priority(device: torch.device) -> int:
 
 def _average_priority(device: torch.device) -> int:
     """Inside torch.compile, below the reference op on CUDA too: inductor then compiles the reference's
-    softmax and matmul, which the committed GPU rows measured faster than these kernels at the goal size
-    (N=32768 K=1024 D=256 bf16, fwd / fwd+bwd against eager: H200 torch.compile 1.35x / 1.50x, Triton
-    1.22x / 1.03x, benchmarks/results/h200-2026-11-26.jsonl; H100 fwd+bwd 1.44x against 1.34x,
-    h100-2026-11-26*.jsonl). Outside torch.compile the kernels beat the eager reference and stay first.
-    (Those rows predate later kernel changes: scripts/gpu_check.sh times both again.)"""
+    softmax and matmul, which the last GPU run measured faster than these kernels with a gradient at the
+    goal size (N=32768 K=1024 D=256 bf16, fwd+bwd: torch.compile of the eager op 0.180 ms, the best Triton
+    kernels 0.205, eager 0.269; benchmarks/results/h200-2026-11-28.jsonl). Outside torch.compile the
+    kernels beat the eager reference and stay first. Forward-only, the guided sampling step, Triton wins
+    (0.0808 ms against compile's 0.109), so ``guided_embedding_average`` keeps ``_priority`` there.
+    (scripts/gpu_check.sh times both again on each lease.)"""
     if torch.compiler.is_compiling():
         return -5
     return _priority(device)
