@@ -292,7 +292,10 @@ def main(argv=None) -> int:
         host, host_cpu = dict(phases.seconds), dict(phases.cpu_seconds)
         # the rest of the step: the trainer's own lines, the copies to the device, the flush
         host["other"], host_cpu["other"] = wall - sum(host.values()), cpu - sum(host_cpu.values())
-        row = {"size": args.size, "batch": args.batch, "bf16": tr.bf16, "device": str(tr.device),
+        from benchmarks.run import device_name, git_commit
+
+        row = {"device_name": device_name(tr.device), "torch": torch.__version__, "commit": git_commit(),
+               "size": args.size, "batch": args.batch, "bf16": tr.bf16, "device": str(tr.device),
                "zero": tr.resolved_config["zero_optimization"], "compile": args.compile,
                "params": sum(q.numel() for q in tr.net.parameters()),
                "param_tensors": len(list(tr.net.parameters())), "threads": torch.get_num_threads(),
