@@ -155,34 +155,40 @@ class Phases:
 
 @contextlib.contextmanager
 def counting_reads(phases: Phases):
-    """Tensor read-backs (``.item()``, ``bool(t)``, ...) and explicit device syncs, per phase, with the
-    innermost frame outside torch that asked: on a GPU each one waits for the device queue to drain."""
+    """Tensor read-backs (``.item()``, ``bool(t)``, ...; named with the tensor's device: a CPU tensor's waits
+    for nothing) and DeepSpeed's device syncs, per phase, with the innermost frame outside torch that asked:
+    on a GPU each read of a device tensor and each sync waits for the device queue to drain."""
     found = collections.Counter()
     originals = {name: getattr(torch.Tensor, name) for name in READS}
 
-    def where():
+    def note(kind):
+        at = "?"
         for frame in reversed(traceback.extract_stack()[:-2]):
             if "/torch/" not in frame.filename and "host_overhead" not in frame.filename:
-                return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
-        return "?"
+                at = f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+                break
+        found[(phases.current, kind, at)] += 1
 
     def guard(name):
         def read(self, *args, **kwargs):
-            found[(phases.current, name, where())] += 1
+            note(f"{name}[{self.device.type}]")
             return originals[name](self, *args, **kwargs)
         return read
 
-    sync_owner = None
+    accelerator = None
     try:
         from deepspeed.accelerator import get_accelerator
 
-        sync_owner = get_accelerator()
-        sync_fn = sync_owner.synchronize
-        sync_owner.synchronize = lambda *a, **k: (found.__setitem__((phases.current, "synchronize", where()),
-                                                                    found[(phases.current, "synchronize", where())] + 1),
-                                                  sync_fn(*a, **k))[1]
-    except Exception:  # noqa: BLE001: no accelerator object: reads only
-        sync_owner = None
+        accelerator = get_accelerator()
+        synchronize = accelerator.synchronize
+
+        def counted_sync(*args, **kwargs):
+            note("synchronize")
+            return synchronize(*args, **kwargs)
+
+        accelerator.synchronize = counted_sync
+    except ImportError:  # no DeepSpeed: reads only
+        accelerator = None
     for name in READS:
         setattr(torch.Tensor, name, guard(name))
     try:
@@ -190,8 +196,8 @@ def counting_reads(phases: Phases):
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
-        if sync_owner is not None:
-            del sync_owner.synchronize
+        if accelerator is not None:
+            del accelerator.synchronize
 
 
 def sync(device):
