@@ -415,6 +415,61 @@ def test_ema_copies_persistent_buffers():
     assert ema.module[1].num_batches_tracked.item() == 1
 
 
+def test_update_emas_walks_the_module_trees_once(monkeypatch):
+    """The parameter lists are walked at the first update only (the walks of a 24-block denoiser cost more host
+    time than the lerps); later updates still follow in-place changes of the source, its persistent buffers,
+    and a bf16 compute copy."""
+    from vqlcmd.ema import update_emas
+
+    src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).train()
+    teacher, sampling = EMA(src, decay=0.5), EMA(src, decay=0.9)
+    teacher.keep_compute_copy(torch.bfloat16)
+    update_emas([teacher, sampling], src)
+    before = [p.clone() for p in sampling.module.parameters()]
+    with torch.no_grad():
+        src[0].weight.add_(1.0)
+    src(torch.randn(16, 3) + 5.0)
+    walks = []
+    original = torch.nn.Module.named_modules
+    monkeypatch.setattr(torch.nn.Module, "named_modules", lambda *a, **k: walks.append(1) or original(*a, **k))
+    update_emas([teacher, sampling], src)
+    assert not walks
+    for b, p, s in zip(before, sampling.module.parameters(), src.parameters()):
+        torch.testing.assert_close(p, 0.9 * b + 0.1 * s, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sampling.module[1].running_mean, src[1].running_mean, rtol=0, atol=0)
+    monkeypatch.undo()
+    for c, m in zip(teacher.compute.parameters(), teacher.module.parameters()):
+        assert torch.equal(c, m.to(torch.bfloat16))
+    assert torch.equal(teacher.compute[1].running_mean, teacher.module[1].running_mean.to(torch.bfloat16))
+
+
+def test_update_emas_casts_bf16_weights_sharing_a_flat_buffer_in_one_op():
+    """DeepSpeed's bf16 weights are views of one flat buffer: they are cast to float32 in one op over it, with
+    the values of a cast of each (the update equals the per-tensor reference exactly); weights of their own
+    storage are cast one by one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vqlcmd.ema import update_emas
+
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    ema = EMA(src, decay=0.9)
+    src = src.to(torch.bfloat16)
+    params = list(src.parameters())
+    flat = torch.randn(sum(p.numel() for p in params) + 3).to(torch.bfloat16)  # + padding, as DeepSpeed aligns
+    offset = 0
+    for p in params[:-1]:  # the last keeps its own storage
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    want = [torch.lerp(m, p.float(), 0.1) for m, p in zip(ema.module.parameters(), params)]  # each cast alone
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        update_emas([ema], src)
+    casts = [e for e in prof.events() if e.name == "aten::_to_copy"]
+    assert len(casts) == 2  # the flat buffer's, and the last weight's
+    for w, m in zip(want, ema.module.parameters()):
+        assert torch.equal(m, w)
+
+
 def test_ema_state_dict_round_trip_keeps_the_decay():
     src = torch.nn.Linear(3, 2)
     a = EMA(src, decay=0.9)

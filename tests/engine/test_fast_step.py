@@ -161,3 +161,66 @@ def test_the_compiled_fast_step_trains_as_the_eager_step_without_host_reads(tmp_
     # not of the weight: 9e-5 seen after 3 steps; a wrong update moves it by the whole rate
     for a, b in zip(ref.net.parameters(), tr.net.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=3e-4)
+
+
+@pytest.mark.parametrize("check", [None, True], ids=["default: flagged", "check_grad_overflow: skipped"])
+def test_bf16_non_finite_gradients_stop_the_fast_step_at_the_flush_or_are_skipped_when_asked(
+        tmp_path, tiny_shards, make_config, check):
+    """In bf16 the fast step turns DeepSpeed's per-tensor overflow check off (bf16.check_grad_overflow): a
+    non-finite gradient at step 2 (finite loss) is then flagged from DeepSpeed's global norm and stops the run
+    at the next flush, before the checkpoint of step 4; set true in the config, DeepSpeed skips the step as
+    before and the run goes on."""
+    bf16 = {"enabled": True, **({} if check is None else {"check_grad_overflow": check})}
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, fast=True, steps=4, log_every=4,
+                                          checkpoint_every=4)),
+                          edit_deepspeed=lambda raw: raw.update(bf16=bf16))
+    logs = []
+    tr = Trainer(ds, cfg, log=logs.append)
+    assert tr.resolved_config["bf16"]["check_grad_overflow"] is bool(check)
+    assert tr.resolved_config["timers"]["throughput"]["enabled"] is False
+    calls = []
+
+    def poison(grad):  # the second step's gradient only
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 2 else grad
+
+    tr.net.denoiser.head.weight.register_hook(poison)
+    if check is None:
+        with pytest.raises(NonFiniteLossError, match=r"non-finite gradients at a step in 1\.\.4 .*bf16\.check_grad"
+                                                     r"_overflow.*no checkpoint was written"):
+            tr.train(progress=False)
+        assert not tr.ckpt_dir.exists() or not any(tr.ckpt_dir.iterdir())
+    else:
+        tr.train(progress=False)
+        assert any("warning: step 2: DeepSpeed skipped the optimizer step" in line for line in logs)
+        for module in (tr.net, tr.teacher.module, tr.sampling_ema.module):
+            assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_deepspeed_reads_once_per_bf16_fast_step(tmp_path, tiny_shards, make_config, monkeypatch):
+    """DeepSpeed's ZeRO 2 bf16 step reads the device once (clipping's norm) under the fast step's settings,
+    where its overflow check and throughput timer read or synchronised four more times. (On a CPU torch's
+    AdamW also reads its step counters, CPU tensors; fused on a GPU it does not: not counted.)"""
+    tr = _trainer(tmp_path, tiny_shards, make_config, bf16=True, fast=True)
+    batches = tr.loader.forever()
+    tr.train_step(batches)
+    from deepspeed.accelerator import get_accelerator
+
+    state = tr.engine.optimizer.optimizer.state
+    counters = {id(s["step"]) for s in state.values() if torch.is_tensor(s.get("step"))}
+    reads = []
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def guard(name):
+        def read(self, *args, **kwargs):
+            if id(self) not in counters:
+                reads.append(name)
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    with monkeypatch.context() as m:
+        for name in READS:
+            m.setattr(torch.Tensor, name, guard(name))
+        m.setattr(get_accelerator(), "synchronize", lambda *a, **k: reads.append("synchronize"))
+        tr.train_step(batches)
+    assert reads == ["__bool__"]

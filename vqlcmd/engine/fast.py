@@ -17,8 +17,18 @@ step, and (one rank) when a signal came. What it gives up, and what it keeps:
   opened shards whose ranges were verified; unchecked ids are still never read out of bounds.
 
 The random draws, the losses and the updates are the default step's: same generator streams, same order.
-DeepSpeed's own ZeRO 1/2 step still reads its global gradient norm once per step (for clipping and its
-overflow check, stage_1_and_2.py): that read is DeepSpeed's, not ours.
+DeepSpeed's own ZeRO 1/2 step still reads its global gradient norm once per step for clipping
+(stage_1_and_2.py): that read is DeepSpeed's, not ours. Its other per-step work that a config key turns off,
+the fast step turns off where the config leaves the key unset (:func:`deepspeed_settings`):
+
+- ``bf16.check_grad_overflow``: in bf16 DeepSpeed checked every gradient tensor for inf/NaN before each step
+  (seven small ops per parameter tensor: ~2100 of the ~7300 kernel-launching ops of an imagenet-246m step,
+  and two more reads). Off, DeepSpeed steps on non-finite gradients as ZeRO 0 does, and the fast step flags
+  them on the device from DeepSpeed's global norm (inf then) and stops at the next flush, before any save;
+  with the key set true DeepSpeed skips such a step as before (benchmarks/host_overhead.py measures both);
+- ``timers.throughput``: DeepSpeed's throughput timer synchronised the device at every forward and step
+  (two stalls a step) to time steps it never reports here (``steps_per_print`` is off; the trainer logs
+  its own images/s).
 """
 from __future__ import annotations
 
@@ -29,6 +39,15 @@ import torch
 from ..ema import update_emas
 from ..ops._checks import checked_upstream
 from .distributed import mean_over_ranks
+
+
+def deepspeed_settings(ds: dict) -> None:
+    """The DeepSpeed keys the fast step sets in ``ds`` where the config leaves them unset (module docstring)."""
+    if ds.get("bf16", {}).get("enabled"):
+        ds["bf16"] = {"check_grad_overflow": False, **ds["bf16"]}
+    timers = dict(ds.get("timers") or {})
+    timers["throughput"] = {"enabled": False, **(timers.get("throughput") or {})}
+    ds["timers"] = timers
 
 
 def train_step(tr, batches) -> dict:
@@ -56,6 +75,12 @@ def train_step(tr, batches) -> dict:
                     tr.bad_grads = tr.bad_grads | ~torch.isfinite(norm)
             skipped = getattr(tr.engine, "skipped_steps", 0)
             tr.engine.step()
+            if micro == tr.gas - 1:
+                # a tensor when DeepSpeed stepped (inf if a gradient was not finite and it did not check, see
+                # deepspeed_settings); a float after a step it skipped, or None at ZeRO 0 (checked above)
+                norm = getattr(tr.engine.optimizer, "_global_grad_norm", None)
+                if torch.is_tensor(norm):
+                    tr.bad_grads = tr.bad_grads | ~torch.isfinite(norm)
             if getattr(tr.engine, "skipped_steps", 0) > skipped:  # DeepSpeed's host-side counter: no read
                 tr.log(f"warning: step {tr.step + 1}: DeepSpeed skipped the optimizer step (non-finite "
                        "gradients); the step still counts, and the rate schedule falls a step behind")
@@ -81,8 +106,8 @@ def flush(tr) -> list[dict]:
     if host[1]:  # first: the non-finite losses that follow from such a step are its consequence
         first = pending[0][0] if pending else tr.step
         raise NonFiniteLossError(
-            f"non-finite gradients at a step in {first}..{tr.step} (with train.fast the plain optimizer stepped on "
-            f"them); stopping without saving ({tr._last_checkpoint_words()})")
+            f"non-finite gradients at a step in {first}..{tr.step} (with train.fast the optimizer stepped on them: "
+            f"ZeRO 0's plain one, or ZeRO 1/2 in bf16 without bf16.check_grad_overflow); stopping without saving ({tr._last_checkpoint_words()})")
     n = len(pending)
     rows = []
     for i, (step, names, _) in enumerate(pending):

@@ -208,6 +208,8 @@ class Trainer:
         # DeepSpeed takes a bool: "auto" becomes one here, and the run's config records which
         self.bf16, bf16_why = resolve_bf16(ds.get("bf16", {}).get("enabled", False), self.device)
         ds["bf16"] = {**ds.get("bf16", {}), "enabled": self.bf16}
+        if cfg.train.fast:  # DeepSpeed's per-step checks and syncs that it replaces or has no use for
+            fast.deepspeed_settings(ds)
         if self.bf16 and _zero_stage(ds) == 0:
             if not self._resumes_zero0_bf16():
                 raise ConfigError(

@@ -1,0 +1,34 @@
+"""``benchmarks/host_overhead.py``: the engine's fast step at imagenet-246m's structure runs, and its counts
+see what they count (the timings mean nothing here)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import host_overhead  # noqa: E402
+
+
+@pytest.mark.parametrize("bf16", ["false", "true"])
+def test_host_overhead_reports_phases_ops_and_reads(tmp_path, bf16, capsys):
+    out = tmp_path / "rows.jsonl"
+    host_overhead.main(["--steps", "1", "--warmup", "1", "--bf16", bf16, "--set", '{"depth": 2}', "--profile",
+                        "torch", "--reads", "--json", str(out)])
+    row = json.loads(out.read_text())
+    assert row["param_tensors"] == 12 * 2 + 12  # 12 per block and 12 around them: 300 at the preset's depth 24
+    assert set(row["host_ms_by_phase"]) == set(host_overhead.PHASES)
+    assert row["ms_per_step"] > 0 and row["kernel_ops"] > 0
+    by_phase = row["kernel_ops_by_phase"]
+    # bf16: the EMA casts DeepSpeed's flat bf16 buffer in one op, not one per weight (35 of them here)
+    assert 0 < by_phase["ema"] < 8
+    # the fast step's one read-back is the flush's; DeepSpeed's clipping reads its norm in engine.step
+    assert any(k.startswith("other tolist[cpu]") and "flush" in k for k in row["reads_per_step"])
+    assert any(k.startswith("engine.step __bool__[cpu]") for k in row["reads_per_step"])
+    assert not any("synchronize" in k or "has_overflow" in k for k in row["reads_per_step"])
+    assert "host_overhead:" in capsys.readouterr().out
