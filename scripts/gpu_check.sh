@@ -6,8 +6,13 @@
 #   train-32       `deepspeed scripts/train.py --config ds_imagenet.json` (imagenet-246m, bf16, ZeRO 2) with the
 #                  fast step, uncompiled, per-GPU batch 32 (the paper's), 100 steps on a synthetic token set in
 #                  ImageNet layout: images/s and MFU rows from its log steps (benchmarks/train_rows.py)
+#   host           benchmarks/host_overhead.py at full size, batch 32: the step's host time by phase and its
+#                  device reads, with the fast step's DeepSpeed keys and again with DeepSpeed's defaults (bf16
+#                  overflow check, throughput timer) on the same tree; rows to OUT_DIR/host.jsonl
 #   gpu-tests      every test marked `gpu` (the quick CUDA-extension tests first, the cold-autotuning Triton ones
 #                  last; -v, so a step cut off by its limit still names each result)
+#   gpu-defaults   the Triton launch-choice test that is not marked `gpu` but must hold on one (the kernels a
+#                  GPU launches by default for bf16 and float32 inputs)
 #   train-32c      the same with torch.compile (train.compile): the compiled-vs-eager ratio at batch 32
 #   train-128      batch 128, uncompiled
 #   bench-softmax  the Triton softmax_embedding_average defaults (first-tile forward, rows dlogits for bf16)
@@ -128,8 +133,15 @@ train() {  # train NAME BATCH COMPILE LIMIT: one training run, then its rows (al
 }
 
 train train-32 "${sizes[0]}" false 90
-step gpu-tests 150 "$py" -m pytest -v -p no:cacheprovider -m gpu -rs --durations=15 \
+if [ "$dry" = 1 ]; then host=(--size tiny --batch 2 --steps 3 --warmup 1); else
+  host=(--size full --batch "${sizes[0]}" --bf16 true --steps 30 --warmup 10); fi
+step host 100 bash -c '"$0" benchmarks/host_overhead.py "${@:2}" --reads --json "$1" && "$0" benchmarks/host_overhead.py \
+  "${@:2}" --json "$1" --ds '"'"'{"bf16": {"check_grad_overflow": true}, "timers": {"throughput": {"enabled": true}}}'"'"'' \
+  "$py" "$out/host.jsonl" "${host[@]}"
+step gpu-tests 180 "$py" -m pytest -v -p no:cacheprovider -m gpu -rs --durations=15 \
   tests/ops tests/pipeline tests/benchmarks tests/kernels
+step gpu-defaults 40 "$py" -m pytest -v -p no:cacheprovider \
+  tests/kernels/test_softmax_embedding_average.py::test_the_defaults_launch_what_a_gpu_runs_for_the_dtype
 train train-32c "${sizes[0]}" "$compile" 150
 train train-128 "${sizes[1]}" false 60
 VQLCMD_BENCH_SHAPES=goal step bench-softmax 70 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" \
