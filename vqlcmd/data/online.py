@@ -13,12 +13,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .images import ImageList, image_batches, list_images, unreadable_reason
+from .images import ImageList, image_batches, list_images
 from .loader import ShardLoader
+from .skipping import PREFETCH as _PREFETCH, record_undecodable, stand_ins
 
 _FLIP_STREAM = 0x666C6970  # ("flip"): the coins' seed sequence, apart from the permutation's PCG64([seed, epoch])
-# batches the DALI pipeline decodes ahead of the one it returns: a file failing there may surface a little early
-_PREFETCH = 2
 
 
 class _Count:
@@ -100,8 +99,7 @@ class OnlineTokenLoader:
         files = [self.images.files[i] for i in rows]
         keep = torch.tensor([f not in self.bad for f in files])
         # a known-bad file's place is taken by a readable one, so the decoder's batches stay the loader's
-        stand_in = next(f for f in self.images.files if f not in self.bad)
-        subset = ImageList(self.images.root, [f if k else stand_in for f, k in zip(files, keep.tolist())],
+        subset = ImageList(self.images.root, stand_ins(self.images, files, self.bad),
                            [self.images.labels[i] for i in rows], self.images.class_names)
         batches = image_batches(subset, self.size, bs, flip="none", backend=self.backend,
                                 channels=self.tokenizer.channels, device=self.device, num_threads=self.num_threads)
@@ -132,15 +130,9 @@ class OnlineTokenLoader:
 
     def _find_bad(self, files: list[str]) -> bool:
         """Decodes ``files`` (PIL) to find those that fail; records and names them. Whether any was found."""
-        found = {}
-        for f in dict.fromkeys(files):
-            if f not in self.bad and (reason := unreadable_reason(f, decode=True)) is not None:
-                found[f] = reason
+        found = record_undecodable(self.images, files, self.bad)
         if not found:
             return False
-        self.bad.update(found)
-        if len(self.bad) == len(set(self.images.files)):
-            raise RuntimeError(f"no image under {self.images.root} decodes (the last: {next(iter(found))})")
         warnings.warn(f"skipping {len(found)} image(s) that fail to decode: "
                       + "; ".join(f"{f} ({r})" for f, r in found.items())
                       + f" ({len(self.skipped)} skipped in all)", stacklevel=3)
