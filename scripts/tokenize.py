@@ -5,6 +5,8 @@
 
 A tree with class sub-folders gives class labels; a flat folder is unconditional (label 0).
 ``--flip`` also writes a horizontally flipped copy of every image (``flip-*.vqtok``).
+A file whose header passes ``--check-images`` but whose pixels fail to decode is skipped by name and counted
+(each shard lists its own in its header, ``skipped_files``), and the run goes on.
 """
 import os
 import sys
@@ -57,6 +59,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from vqlcmd.data import list_images, prepare_digits
     from vqlcmd.data.shards import ShardError
+    from vqlcmd.data.skipping import UndecodableTree
     from vqlcmd.data.digits import write_digits_shards
     from vqlcmd.tokenizer import load_tokenizer
 
@@ -91,14 +94,16 @@ def main(argv=None) -> dict:
           f"{tok.identifier} ({tok.codebook_size} codes, grid {tok.grid[0]}x{tok.grid[1]})")
     try:
         return _write_all(args, tok, images, size, progress)
-    except ShardError as exc:  # a folder holding another run's shards: a message, not a traceback
+    except (ShardError, UndecodableTree) as exc:  # another run's shards in the folder; no image decodes
         raise SystemExit(str(exc)) from None
 
 
 def _write_all(args, tok, images, size, progress) -> dict:
-    from vqlcmd.data import TokenShardDataset, image_batches, write_token_shards
+    from vqlcmd.data import TokenShardDataset, write_token_shards
+    from vqlcmd.data.skipping import readable_batches
 
     results = {}
+    bad = {}  # file: reason, of those that failed to decode; shared by the passes, so each fails once
     for flip, prefix in [("none", "shard")] + ([("always", "flip")] if args.flip else []):
         # the file list's digest: a restart keeps a shard only if the tree still lists the same images
         header = {"num_classes": images.num_classes, "class_names": images.class_names, "image_size": [size, size],
@@ -106,15 +111,25 @@ def _write_all(args, tok, images, size, progress) -> dict:
                   "files_sha256": images.digest()}
 
         def batches(start, stop, flip=flip):
-            return image_batches(images.subset(start, stop), size, args.batch_size, flip=flip, backend=args.backend,
-                                 channels=tok.channels, device=args.device, num_threads=args.num_threads)
+            return readable_batches(images, start, stop, bad, size, args.batch_size, flip=flip, backend=args.backend,
+                                    channels=tok.channels, device=args.device, num_threads=args.num_threads)
+
+        def skipped(start, stop):  # names relative to the tree, as its digest's: the shards survive a move
+            return [os.path.relpath(f, images.root) for f in images.files[start:stop] if f in bad]
 
         stats = write_token_shards(args.out, tok, len(images), batches, header, shard_size=args.shard_size,
-                                   prefix=prefix, progress=progress, overwrite=args.overwrite)
+                                   prefix=prefix, progress=progress, overwrite=args.overwrite, skipped=skipped)
+        left_out = stats["skipped_files"]
         print(f"{prefix}: {stats['written']}/{stats['shards']} shards written, {stats['images']} images, "
-              f"{stats['images_per_s']:.1f} images/s")
+              f"{stats['images_per_s']:.1f} images/s, {len(left_out)} skipped at decoding"
+              + (f" ({', '.join(left_out[:10])}{', ...' if len(left_out) > 10 else ''})" if left_out else ""))
         results[prefix] = stats
     TokenShardDataset(args.out, verify=False)  # the folder as a whole: no other run's shards beside these
+    left_out = sorted({f for stats in results.values() for f in stats["skipped_files"]})
+    if images.skipped or left_out:
+        print(f"{len(images.skipped) + len(left_out)} image(s) skipped in all: {len(images.skipped)} by the "
+              f"--check-images {args.check_images} listing, {len(left_out)} at decoding"
+              + (f" ({', '.join(left_out[:10])}{', ...' if len(left_out) > 10 else ''})" if left_out else ""))
     return results
 
 

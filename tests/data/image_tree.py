@@ -18,3 +18,10 @@ def write_tree(root, classes=("ant", "cat"), sizes=SIZES):
         cls.mkdir(parents=True, exist_ok=True)
         Image.fromarray(picture(h, w, i)).save(cls / f"im{i}.jpg", quality=92)
     return root
+
+
+def cut_pixels(src, dst):
+    """``dst``: the JPEG ``src`` cut in half -- its header intact, so a header check passes it, its pixels short."""
+    data = src.read_bytes()
+    dst.write_bytes(data[:len(data) // 2])
+    return dst

@@ -177,3 +177,48 @@ def test_a_moved_tree_and_shards_from_before_the_digest_are_kept(setup, tmp_path
     printed = capsys.readouterr().out
     assert "deleted 1 shard(s) of another data set (overwrite)" in printed
     assert "keeping 1 finished shard shard(s), making 1" in printed
+
+
+@pytest.mark.parametrize("backend", ["pil", "dali"])
+def test_a_file_whose_pixels_are_cut_short_is_skipped_by_name_and_the_rest_written(setup, tmp_path, backend, capsys):
+    """It passes the default header check; the run used to die decoding it (hours of ImageNet lost to one file)."""
+    import shutil
+    import warnings
+
+    from image_tree import cut_pixels
+
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    images, vq, base = setup
+    tree = shutil.copytree(images, tmp_path / "tree")
+    cut_pixels(tree / "cat" / "im1.jpg", tree / "cat" / "cut.jpg")  # sorts mid-list: later shards' ranges move
+    main = _script_main()
+    common = ["--tokenizer", str(vq), "--shard-size", "3", "--batch-size", "2", "--backend", backend, "--device",
+              "cpu", "--no-progress", "--flip"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = main(["--images", str(tree), "--out", str(tmp_path / "out"), *common])
+    # once: the flipped pass knows it
+    assert sum("cut.jpg (cannot read: image file is truncated" in str(w.message) for w in caught) == 1
+    said = capsys.readouterr().out
+    assert said.count("1 skipped at decoding (cat/cut.jpg)") == 2 and "1 image(s) skipped in all" in said
+    assert all(stats[p]["skipped_files"] == ["cat/cut.jpg"] and stats[p]["images"] == 7 for p in ("shard", "flip"))
+    main(["--images", str(images), "--out", str(tmp_path / "clean"), *common])
+    got, clean = TokenShardDataset(tmp_path / "out"), TokenShardDataset(tmp_path / "clean")
+    assert len(got) == len(clean) == 14
+    assert all(torch.equal(a, b) for a, b in zip(got.gather(np.arange(14)), clean.gather(np.arange(14))))
+    again = main(["--images", str(tree), "--out", str(tmp_path / "out"), *common])  # the short shard is finished
+    assert all(again[p]["written"] == 0 and again[p]["skipped_files"] == ["cat/cut.jpg"] for p in ("shard", "flip"))
+
+
+def test_a_tree_of_which_no_image_decodes_is_an_error(setup, tmp_path):
+    from image_tree import cut_pixels
+
+    images, vq, _ = setup
+    (tmp_path / "tree").mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        cut_pixels(images / "ant" / "im0.jpg", tmp_path / "tree" / name)
+    cut = r"no image of the 2 under .*tree decodes \(e\.g\. .*a\.jpg: cannot read: image file is truncated"
+    with pytest.raises(SystemExit, match=cut):
+        _script_main()(["--images", str(tmp_path / "tree"), "--tokenizer", str(vq), "--out", str(tmp_path / "out"),
+                        "--backend", "pil", "--device", "cpu", "--no-progress"])

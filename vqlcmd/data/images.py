@@ -52,7 +52,8 @@ def list_images(root, *, check: str = "header") -> ImageList:
     should not stop a tokenization run; the warning and ``ImageList.skipped`` make the loss visible.
     A file whose header is fine but whose pixel data is truncated then fails at decoding, with an
     error naming it (both pipelines), unless ``check="decode"`` (decode everything up front, slower)
-    skipped it too. ``check="none"`` trusts the tree.
+    skipped it too; scripts/tokenize.py and the online loader skip it then, by name (``skipping.py``).
+    ``check="none"`` trusts the tree.
     """
     if check not in ("none", "header", "decode"):
         raise ValueError(f"check must be 'none', 'header' or 'decode', got {check!r}")

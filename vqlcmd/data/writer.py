@@ -39,8 +39,9 @@ def _redo_reason(path: Path, header: dict, count: int):
         s = open_shard(path)
     except ShardError as exc:
         return f"unreadable ({exc})"  # a corrupt or foreign leftover is redone, not trusted
-    if len(s) != count:
-        return f"{len(s)} samples, not {count}"
+    left_out = len(s.header.get("skipped_files", []))  # files of its range that failed to decode
+    if len(s) + left_out != count:
+        return f"{len(s)} samples{f' + {left_out} skipped' if left_out else ''}, not {count}"
     for k, v in header.items():
         if k in _NOT_COMPARED or (k in _LEGACY_OPTIONAL and k not in s.header):
             continue
@@ -97,9 +98,13 @@ def _foreign_shards(out_dir: Path, header: dict, prefix: str) -> list[tuple[Path
 
 def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, header: dict, *,
                        shard_size: int = 10000, prefix: str = "shard", progress: bool = True,
-                       log: Callable[[str], None] = print, overwrite: bool = False) -> dict:
+                       log: Callable[[str], None] = print, overwrite: bool = False,
+                       skipped: Callable[[int, int], list[str]] | None = None) -> dict:
     """Tokenizes ``count`` samples into ``out_dir``; ``batches(start, stop)`` yields
     ``(images in [-1, 1] (B, C, H, W), labels (B,))`` for samples ``[start, stop)`` in order.
+    ``skipped(start, stop)``, once those batches are done, names the samples of the range that the source left
+    out (files that failed to decode); the shard records them (header ``skipped_files``), so that a restart keeps
+    it though it holds fewer samples than its range.
     Returns counts and throughput. Existing valid shards of the same data set (tokenizer and header) are
     kept. Shards of another (tokenizer, image tree, size, ...) are an error naming the difference: they were
     silently replaced, and a model trained on them could no longer resume. ``overwrite`` deletes them first."""
@@ -144,12 +149,20 @@ def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, hea
             if bar is not None:
                 bar.update(len(images))
                 bar.set_postfix({"img/s": f"{done / (time.perf_counter() - t0):.0f}"})
+        left_out = skipped(start, stop) if skipped is not None else []
         got = sum(len(l) for l in labs)
-        if got != stop - start:
-            raise RuntimeError(f"source gave {got} samples for shard {i} ({start}..{stop}), expected {stop - start}")
-        write_shard(shard_path(out_dir, i, prefix), np.concatenate(toks), np.concatenate(labs), header)
+        if got + len(left_out) != stop - start:
+            raise RuntimeError(f"source gave {got} samples for shard {i} ({start}..{stop}), expected {stop - start}"
+                               + (f" less {len(left_out)} skipped" if left_out else ""))
+        if not got:  # every file of the range skipped: an empty shard keeps the ranges' numbering
+            toks, labs = [np.zeros((0, tokenizer.num_tokens), np.uint16)], [np.zeros(0, np.int64)]
+        shard_header = dict(header, skipped_files=list(left_out)) if left_out else header
+        write_shard(shard_path(out_dir, i, prefix), np.concatenate(toks), np.concatenate(labs), shard_header)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0
+    # every shard's, kept ones' included: the run's whole loss, not just this restart's
+    left_out = [f for i, _, _ in ranges
+                for f in open_shard(shard_path(out_dir, i, prefix), verify=False).header.get("skipped_files", [])]
     return {"shards": len(ranges), "written": len(todo), "images": done, "seconds": seconds,
-            "images_per_s": done / seconds if done and seconds > 0 else 0.0}
+            "images_per_s": done / seconds if done and seconds > 0 else 0.0, "skipped_files": left_out}
