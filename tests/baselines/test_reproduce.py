@@ -84,7 +84,7 @@ def _args(mod, *extra):
 
     ns = argparse.Namespace(config="ds_digits.json", ns_shift=-1.0, per_class=20, model_overrides={}, eval_batch=None,
                             digits_size=16, tokenizer_steps=400, steps=1100, batch=64, bf16=False, main_steps=50,
-                            main_steps_maskgit=8)
+                            main_steps_maskgit=8, guidance=1.0)
     for key, value in extra:
         setattr(ns, key, value)
     ns.setup = mod.setup_id(ns)
