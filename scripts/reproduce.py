@@ -263,8 +263,8 @@ def converged_at(row: str, seed: int, args, records: list[dict]):
     if not (args.patience and args.eval_every):
         return None
     kind, steps, sampler, g = next(e for e in curve_evals(row, args) if e[3] == _fid_guidance(args))
-    fid = {r.get("train_step"): r["fid"] for r in records
-           if _record_key(r)[:-2] == (row, seed, *_budget(args), kind, steps, sampler) and r.get("guidance") == g}
+    fid = {r.get("train_step"): r["fid"] for r in records if _same_setup(r, args.setup)
+           and _record_key(r)[:-2] == (row, seed, *_budget(args), kind, steps, sampler) and r.get("guidance") == g}
     best, since = math.inf, 0
     for s in eval_steps(args):
         if s not in fid:

@@ -232,6 +232,8 @@ def test_convergence_is_read_off_the_fid_at_guidance_zero():
     # best at step 4; 6 and 8 are worse: two evaluations without improvement -> converged at 8
     recs = [_curve_record(0, s, f) for s, f in ((2, 3.0), (4, 2.0), (6, 2.5), (8, 2.1))]
     assert mod.converged_at("vqlcmd", 0, args, recs) == 8
+    # nor a record of another setup (another shift, sample count...)
+    assert mod.converged_at("vqlcmd", 0, args, recs + [_curve_record(0, 6, 0.01, setup="other")]) == 8
     assert mod.converged_at("vqlcmd", 0, args, recs[:3]) is None  # one evaluation without improvement so far
     # the ω = 1 curve does not decide it, nor does another seed
     worse = [_curve_record(0, s, 9.0 + s, guidance=1.0) for s in (2, 4, 6)] + [_curve_record(1, 6, 0.1)]
