@@ -70,8 +70,14 @@ TABLES = [
     ("Embedding dimension", "appendix Table \"dimension\"",
      [("dim_16", None), ("vqlcmd", "D = 32 = VQ-LCMD"), ("dim_64", None)]),
 ]
-FEW_STEPS = [1, 2, 3, 4, 5, 6, 7, 8, 50]
+FEW_STEPS = [1, 2, 3, 4, 6, 8, 16, 50]
+CURVE_GUIDANCE = [0.0, 1.0]  # ω of the learning curves' evaluations (--curve-guidance)
 FEW_STEP_ROWS = ("vqlcmd", "maskgit")
+# (row, sampler, label) of the few-step table and plot
+FEW_STEP_LINES = [("maskgit", "maskgit", "MaskGIT"), ("vqlcmd", "ddim", "VQ-LCMD (DDIM)"),
+                  ("vqlcmd", "ancestral", "VQ-LCMD (ancestral)")]
+CURVE_METRICS = [("fid", "FID ↓", 2), ("precision", "Prec. ↑", 2), ("recall", "Rec. ↑", 2), ("accuracy", "Acc. ↑", 3),
+                 ("spread_ratio", "spread", 2)]
 METRICS = [("fid", "FID ↓", 2), ("precision", "Prec. ↑", 2), ("recall", "Rec. ↑", 2), ("accuracy", "Acc. ↑", 3),
            ("spread_ratio", "spread", 2), ("collapse", "collapse", 3)]
 
@@ -142,7 +148,9 @@ def setup_id(args) -> str:
 
 
 def _record_key(r: dict) -> tuple:
-    return (r["row"], r["seed"], *_record_budget(r), r["kind"], r["sample_steps"], r["sampler"])
+    # records before the train_step field were made at the end of their run
+    return (r["row"], r["seed"], *_record_budget(r), r["kind"], r["sample_steps"], r["sampler"],
+            r.get("train_step", r["train_steps"]), r.get("guidance"))
 
 
 def _same_setup(r: dict, setup: str) -> bool:
@@ -180,20 +188,21 @@ def row_config(row: str, seed: int, args):
     return ds, parse_vqlcmd_section(section), run_dir
 
 
-def _sample(pipe, method: str, labels, steps: int, sampler: str, seed: int, batch_size: int):
+def _sample(pipe, method: str, labels, steps: int, sampler: str, seed: int, batch_size: int, guidance: float):
     g = torch.Generator().manual_seed(10_000 + seed)
     kw = {} if method == "maskgit" else {"sampler": sampler}
-    return pipe(labels, num_steps=steps, output_type="pt", generator=g, batch_size=batch_size, **kw)
+    return pipe(labels, num_steps=steps, guidance_scale=guidance, output_type="pt", generator=g,
+                batch_size=batch_size, **kw)
 
 
-def evaluate(pipe, method: str, steps: int, sampler: str, seed: int, args) -> dict:
+def evaluate(pipe, method: str, steps: int, sampler: str, seed: int, args, guidance: float) -> dict:
     from vqlcmd.embedding import collapse_indicator
     from vqlcmd.metrics.digits import evaluate_digit_samples
 
     C = pipe.network.config.num_classes
     labels = torch.arange(C).repeat_interleave(args.per_class)
     t0 = time.perf_counter()
-    images = _sample(pipe, method, labels, steps, sampler, seed, args.eval_batch)
+    images = _sample(pipe, method, labels, steps, sampler, seed, args.eval_batch, guidance)
     out = evaluate_digit_samples(images, labels)
     K = pipe.network.config.codebook_size
     out["image_size"] = int(images.shape[-1])
@@ -202,68 +211,213 @@ def evaluate(pipe, method: str, steps: int, sampler: str, seed: int, args) -> di
     return out
 
 
+def _method(row: str) -> str:
+    return ROWS[row][1].get("method", "vqlcmd")
+
+
 def main_steps_of(row: str, args) -> int:
-    return args.main_steps_maskgit if ROWS[row][1].get("method", "vqlcmd") == "maskgit" else args.main_steps
+    return args.main_steps_maskgit if _method(row) == "maskgit" else args.main_steps
 
 
-def pending_evals(row: str, seed: int, args, done) -> list[tuple]:
-    """The (kind, sample steps, sampler) evaluations of one row x seed that results.jsonl lacks."""
-    method = ROWS[row][1].get("method", "vqlcmd")
-    evals = [("main", main_steps_of(row, args), "maskgit" if method == "maskgit" else "ancestral")]
-    if row in FEW_STEP_ROWS and not args.no_few_steps:
-        evals += [("few_steps", n, "maskgit" if method == "maskgit" else "ddim") for n in args.few_steps]
-    return [e for e in evals if (row, seed, *_budget(args), *e) not in done]
+def _main_sampler(row: str) -> str:
+    return "maskgit" if _method(row) == "maskgit" else "ancestral"
 
 
-def run_one(row: str, seed: int, args, done: dict, log) -> list[dict]:
-    """Train (or reuse) one row x seed and evaluate it; returns the new result records."""
-    from vqlcmd.engine.trainer import Trainer
+def eval_steps(args) -> list[int]:
+    """The training steps a run is evaluated at: every --eval-every steps and at the end of the budget."""
+    if not args.eval_every:
+        return [args.steps]
+    return [*range(args.eval_every, args.steps, args.eval_every), args.steps]
 
-    todo = pending_evals(row, seed, args, done)
-    if not todo:
+
+def curve_evals(row: str, args) -> list[tuple]:
+    """(kind, sample steps, sampler, ω) of the learning curve's evaluation at each eval step."""
+    if not args.eval_every:
         return []
-    ds, cfg, run_dir = row_config(row, seed, args)
-    method = cfg.method
-    t0 = time.perf_counter()
+    return [("curve", main_steps_of(row, args), _main_sampler(row), g) for g in args.curve_guidance]
+
+
+def final_evals(row: str, args) -> list[tuple]:
+    """(kind, sample steps, sampler, ω) at the run's last step (the budget's, or where it converged): the
+    main evaluation and the few-step curve (VQ-LCMD with DDIM and ancestral, MaskGIT with its own sampler)."""
+    evals = [("main", main_steps_of(row, args), _main_sampler(row), args.guidance)]
+    if row in FEW_STEP_ROWS and not args.no_few_steps:
+        samplers = ("maskgit",) if _method(row) == "maskgit" else ("ddim", "ancestral")
+        evals += [("few_steps", n, s, args.guidance) for s in samplers for n in args.few_steps]
+    return evals
+
+
+def _eval_key(row: str, seed: int, args, e: tuple, step: int) -> tuple:
+    kind, steps, sampler, guidance = e
+    return (row, seed, *_budget(args), kind, steps, sampler, step, guidance)
+
+
+def _fid_guidance(args) -> float:
+    """The ω whose FID decides convergence: 0 (the paper compares unguided FIDs) when the curves have it."""
+    return 0.0 if 0.0 in args.curve_guidance else args.curve_guidance[0]
+
+
+def converged_at(row: str, seed: int, args, records: list[dict]):
+    """The eval step at which the curve's FID (ω = 0, main sampler) had not improved on its best for
+    --patience evaluations in a row, or None (no --patience, or still improving, or not evaluated that far)."""
+    if not (args.patience and args.eval_every):
+        return None
+    kind, steps, sampler, g = next(e for e in curve_evals(row, args) if e[3] == _fid_guidance(args))
+    fid = {r.get("train_step"): r["fid"] for r in records if _same_setup(r, args.setup)
+           and _record_key(r)[:-2] == (row, seed, *_budget(args), kind, steps, sampler) and r.get("guidance") == g}
+    best, since = math.inf, 0
+    for s in eval_steps(args):
+        if s not in fid:
+            return None
+        best, since = (fid[s], 0) if fid[s] < best else (best, since + 1)
+        if since >= args.patience:
+            return s
+    return None
+
+
+def has_pending(row: str, seed: int, args, records: list[dict], done: set) -> bool:
+    """Whether results.jsonl lacks an evaluation of this row x seed (up to its convergence step, if known)."""
+    stop = converged_at(row, seed, args, records) or args.steps
+    if any(_eval_key(row, seed, args, e, s) not in done for s in eval_steps(args) if s <= stop
+           for e in curve_evals(row, args)):
+        return True
+    return any(_eval_key(row, seed, args, e, stop) not in done for e in final_evals(row, args))
+
+
+def _checkpoint_step(run_dir: Path) -> int:
+    from vqlcmd.engine import checkpoint as ckpt
+
+    tag = ckpt.latest_tag(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else None
+    return int(tag.split("_")[-1]) if tag else 0
+
+
+def _train_to(step: int, ds: dict, cfg, run_dir: Path, args):
+    """Train the run (resuming its latest checkpoint, bit-exactly) up to ``step``, the lr schedule being the
+    whole budget's. Returns (trainer, cumulative training seconds at ``step`` or None when unknown, the last
+    step's losses). The training seconds, summed over the segments, are those of ``Trainer.train`` alone
+    (checkpoint writes included; process start-up, data loading and evaluations not), kept in the run
+    folder's train_seconds.json so that a later command goes on counting."""
+    from vqlcmd.engine.trainer import Trainer, TrainingInterrupted
+
+    clock = run_dir / "train_seconds.json"
+    start = _checkpoint_step(run_dir)
+    kept = json.loads(clock.read_text()) if clock.is_file() else {"step": 0, "seconds": 0.0}
+    base = kept["seconds"] if kept["step"] == start else None  # a checkpoint saved after the clock's last write
     with open(args.out / "train.log", "a") as f:
         trainer = Trainer(ds, cfg, log=lambda *a, **k: print(*a, file=f, flush=True))
-        history = trainer.train(progress=False)
-    train_s = time.perf_counter() - t0
-    last = {k: v for k, v in (history[-1] if history else {}).items() if k != "step"}
-    pipe = trainer.pipeline()
-    records = []
-    for kind, steps, sampler in todo:
-        metrics = evaluate(pipe, method, steps, sampler, seed, args)
-        rec = {"row": row, "seed": seed, "train_steps": args.steps, "batch": args.batch, "bf16": args.bf16,
-               "setup": args.setup,
-               "kind": kind, "sample_steps": steps, "sampler": sampler, "method": method,
-               "guidance": pipe.sample_defaults.get("guidance_scale"), "train_seconds": round(train_s, 1),
-               "final_losses": last, **metrics}
-        records.append(rec)
-        log(f"{row:>14} seed {seed} {kind:>9} {sampler:>9} {steps:>3} steps: FID {metrics['fid']:.2f} acc "
-            f"{metrics['accuracy']:.3f} P {metrics['precision']:.2f} R {metrics['recall']:.2f} collapse "
-            f"{metrics['collapse']:.3f} (train {train_s:.0f} s, sample {metrics['sample_seconds']:.0f} s)")
-    return records
+        t0 = time.perf_counter()
+        try:
+            history = trainer.train(progress=False, until=step)
+        except TrainingInterrupted:  # SIGTERM (a timeout): its checkpoint's training time is kept as well
+            if base is not None:
+                atomic_write_text(clock, json.dumps({"step": trainer.step,
+                                                     "seconds": round(base + time.perf_counter() - t0, 1)}))
+            raise
+    seconds = None if base is None else round(base + time.perf_counter() - t0, 1)
+    if seconds is not None:
+        atomic_write_text(clock, json.dumps({"step": trainer.step, "seconds": seconds}))
+    return trainer, seconds, {k: v for k, v in (history[-1] if history else {}).items() if k != "step"}
 
 
-def _worker(row: str, seed: int, args, done: dict) -> list[dict]:
+def run_segments(row: str, seed: int, args, records: list[dict], done: set, log):
+    """Train one row x seed and evaluate it, yielding each eval step's new records as they are made: it trains
+    (resuming) only up to the next step whose evaluations results.jsonl lacks, evaluates there, and goes on;
+    with --patience it ends where the FID at ω = 0 stopped improving, evaluated there as at the budget's end."""
+    mine = [r for r in records if r["row"] == row and r["seed"] == seed and _record_budget(r) == _budget(args)]
+    done = set(done)
+    ds, cfg, run_dir = row_config(row, seed, args)
+    at = None  # (trainer, seconds, losses) of the step trained to last, while it is the one evaluated
+    for s in eval_steps(args):
+        new = []
+        for kinds in ("curve", "final"):
+            if kinds == "final":
+                stop = converged_at(row, seed, args, mine)
+                if s != args.steps and stop != s:
+                    continue
+            evals = curve_evals(row, args) if kinds == "curve" else final_evals(row, args)
+            todo = [e for e in evals if _eval_key(row, seed, args, e, s) not in done]
+            if not todo:
+                continue
+            if at is None or at[0].step != s:
+                if _checkpoint_step(run_dir) > s:  # its checkpoint is past this step (another --eval-every)
+                    log(f"{row} seed {seed}: step {s} not evaluated, the run's checkpoint is past it")
+                    continue
+                at = None  # (one engine in memory at a time)
+                trainer, seconds, losses = _train_to(s, ds, cfg, run_dir, args)
+                at = (trainer, seconds, losses, trainer.pipeline(), {})
+            trainer, seconds, losses, pipe, memo = at
+            for e in todo:
+                kind, steps, sampler, guidance = e
+                if (steps, sampler, guidance) not in memo:  # main repeats the curve's ω = 1 evaluation
+                    with torch.random.fork_rng():
+                        memo[steps, sampler, guidance] = evaluate(pipe, cfg.method, steps, sampler, seed, args,
+                                                                  guidance)
+                metrics = memo[steps, sampler, guidance]
+                rec = {"row": row, "seed": seed, "train_steps": args.steps, "batch": args.batch, "bf16": args.bf16,
+                       "setup": args.setup, "kind": kind, "train_step": s, "sample_steps": steps, "sampler": sampler,
+                       "method": cfg.method, "guidance": guidance, "train_seconds": seconds,
+                       "final_losses": losses, **metrics}
+                if kind != "curve":
+                    rec["stopped"] = "budget" if s == args.steps else "converged"
+                new.append(rec)
+                log(f"{row:>14} seed {seed} step {s:>5} {kind:>9} {sampler:>9} {steps:>3} steps ω {guidance:g}: FID "
+                    f"{metrics['fid']:.2f} acc {metrics['accuracy']:.3f} P {metrics['precision']:.2f} R "
+                    f"{metrics['recall']:.2f} spread {metrics['spread_ratio']:.2f} (train {seconds} s, sample "
+                    f"{metrics['sample_seconds']:.0f} s)")
+            mine += new[-len(todo):]
+            done.update(_record_key(r) for r in new)
+        if new:
+            yield new
+        if converged_at(row, seed, args, mine) == s:
+            log(f"{row} seed {seed}: FID at ω = {_fid_guidance(args):g} not improved for {args.patience} "
+                f"evaluations: converged at step {s}")
+            return
+
+
+def run_one(row: str, seed: int, args, records: list[dict], done: set, log) -> list[dict]:
+    """Train (or reuse) one row x seed and evaluate it; returns the new result records."""
+    return [r for new in run_segments(row, seed, args, records, done, log) for r in new]
+
+
+def _worker(row: str, seed: int, args, records: list[dict], done: set) -> list[dict]:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.jobs))
-    return run_one(row, seed, args, done, lambda msg: print(msg, flush=True))
+    return run_one(row, seed, args, records, done, lambda msg: print(msg, flush=True))
 
 
-def _run_jobs(jobs, args, done: dict, log, failed: list):
+def _run_jobs(jobs, args, records: list[dict], done: set, log, failed: list):
     """Yields each (row, seed) job's new records as it finishes; ``--jobs N`` runs N at once, each in a fresh
     process (a small model leaves a GPU, or a many-core CPU, mostly idle), and ``--time-limit`` starts no
-    job after that many seconds, so a bounded session ends with whole runs only."""
+    job after that many seconds, so a bounded session ends with whole runs only. With --eval-every and one
+    job, the runs take turns an eval step at a time (each yielding its records), so that every method has
+    been evaluated at the same training steps when a time limit stops the session, and the limit then
+    starts no new segment."""
     t0 = time.perf_counter()
     late = lambda: args.time_limit is not None and time.perf_counter() - t0 > args.time_limit  # noqa: E731
+    if args.jobs <= 1 and args.eval_every:
+        turns = [(row, seed, run_segments(row, seed, args, records, done, log)) for row, seed in jobs]
+        while turns:
+            for job in list(turns):
+                row, seed, segments = job
+                if late():
+                    log(f"time limit: no new segment started ({', '.join(f'{r}/{s}' for r, s, _ in turns)} "
+                        "not finished)")
+                    return
+                try:
+                    yield next(segments)
+                except StopIteration:
+                    turns.remove(job)
+                except Exception as exc:  # one run's failure: the others go on (KeyboardInterrupt stops all)
+                    log(f"{row} seed {seed} failed: {type(exc).__name__}: {exc}")
+                    failed.append((row, seed))
+                    turns.remove(job)
+        return
     if args.jobs <= 1:
         for row, seed in jobs:
             if late():
                 log(f"time limit: {row} seed {seed} and later runs not started")
                 return
             try:
-                new = run_one(row, seed, args, done, log)
+                new = run_one(row, seed, args, records, done, log)
             except Exception as exc:  # one run's failure: the sweep goes on (KeyboardInterrupt still stops it)
                 log(f"{row} seed {seed} failed: {type(exc).__name__}: {exc}")
                 failed.append((row, seed))
@@ -283,7 +437,7 @@ def _run_jobs(jobs, args, done: dict, log, failed: list):
             while queue and len(running) < args.jobs and not late():
                 row, seed = queue.pop(0)
                 pool = ProcessPoolExecutor(1, mp_context=spawn)
-                fut = pool.submit(_worker, row, seed, args, done)
+                fut = pool.submit(_worker, row, seed, args, records, done)
                 running[fut], pools[fut] = (row, seed), pool
             if queue and late():
                 log(f"time limit: {len(queue)} runs not started ({', '.join(f'{r}/{s}' for r, s in queue)})")
@@ -332,7 +486,8 @@ def write_tables(records: list[dict], args, header: str) -> str:
     from vqlcmd.metrics.digits import real_reference
 
     records = _current(records, args)
-    main = [r for r in records if r["kind"] == "main" and r["sample_steps"] == main_steps_of(r["row"], args)]
+    main = [r for r in records if r["kind"] == "main" and r["sample_steps"] == main_steps_of(r["row"], args)
+            and r.get("guidance", args.guidance) == args.guidance]
     lines = [header, ""]
     for title, paper, rows in TABLES:
         present = [(row, label) for row, label in rows if any(r["row"] == row for r in main)]
@@ -350,14 +505,18 @@ def write_tables(records: list[dict], args, header: str) -> str:
     few = [r for r in records if r["kind"] == "few_steps"]
     if few:
         steps = sorted({r["sample_steps"] for r in few})
+        at = sorted({r.get("train_step", r["train_steps"]) for r in few})
         lines += ["### Few sampling steps (cf. paper Table \"maskgit:imagenet\"): FID ↓ / accuracy ↑", "",
+                  f"At training step {', '.join(map(str, at))} (the budget's end, or where a run converged).", "",
                   "| method | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---|" * len(steps)]
-        for row, name in (("maskgit", "MaskGIT"), ("vqlcmd", "VQ-LCMD (DDIM)")):
+        for row, sampler, name in FEW_STEP_LINES:
             for key, digits in (("fid", 2), ("accuracy", 3)):
-                cells = [_fmt([r[key] for r in few if r["row"] == row and r["sample_steps"] == s], digits)
-                         for s in steps]
-                lines.append(f"| {name} {key} | " + " | ".join(cells) + " |")
+                cells = [_fmt([r[key] for r in few if (r["row"], r["sampler"]) == (row, sampler)
+                               and r["sample_steps"] == s], digits) for s in steps]
+                if any(c != "–" for c in cells):
+                    lines.append(f"| {name} {key} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += curve_tables(records, args)
     ref_file = args.out / f"real_reference_{args.image_size}px.json"
     if ref_file.is_file():
         ref = json.loads(ref_file.read_text())
@@ -367,6 +526,79 @@ def write_tables(records: list[dict], args, header: str) -> str:
     lines += [f"Real-data floor (two halves of the real digits, {ref['num_samples']} each): FID {ref['fid']:.2f}, "
               f"precision {ref['precision']:.2f}, recall {ref['recall']:.2f}.", ""]
     return "\n".join(lines)
+
+
+def _curves(records: list[dict], args) -> dict:
+    """{(row, ω): {eval step: [records over seeds]}} of the learning curves of this budget and setup."""
+    out = {}
+    for r in _current(records, args):
+        if r["kind"] == "curve":
+            out.setdefault((r["row"], r["guidance"]), {}).setdefault(r["train_step"], []).append(r)
+    return {k: dict(sorted(v.items())) for k, v in sorted(out.items(), key=lambda kv: (list(ROWS).index(kv[0][0]),
+                                                                                       kv[0][1]))}
+
+
+def curve_tables(records: list[dict], args) -> list[str]:
+    """Markdown lines: per row and ω, mean ± std over seeds of each metric at every eval step."""
+    lines = []
+    for (row, g), by_step in _curves(records, args).items():
+        first = next(iter(by_step.values()))[0]
+        lines += [f"### Learning curve: {ROWS[row][0]}, ω = {g:g} ({first['sampler']} {first['sample_steps']} steps)",
+                  "", "| step | seeds | train s | " + " | ".join(h for _, h, _ in CURVE_METRICS) + " |",
+                  "|---|---|---|" + "---|" * len(CURVE_METRICS)]
+        for step, rs in by_step.items():
+            cells = [_fmt(_finite([r.get(k) for r in rs]), d) for k, _, d in CURVE_METRICS]
+            secs = _finite([r.get("train_seconds") for r in rs])
+            lines.append(f"| {step} | {len(rs)} | {_fmt(secs, 0)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def plot_curves(records: list[dict], args, out: Path) -> bool:
+    """curves_steps.png and curves_time.png: each metric (mean ± std over seeds) against training steps and
+    against cumulative training wall time, a colour per row, a line style per ω."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = _curves(records, args)
+    if not curves:
+        return False
+    rows = list(dict.fromkeys(row for row, _ in curves))
+    styles = ["-", "--", ":", "-."]
+    gs = sorted({g for _, g in curves})
+    for name, xlabel in (("curves_steps.png", "training steps"), ("curves_time.png", "training wall time (s)")):
+        fig, axes = plt.subplots(1, len(CURVE_METRICS), figsize=(4 * len(CURVE_METRICS), 3.6))
+        for (row, g), by_step in curves.items():
+            color = f"C{rows.index(row)}"
+            for ax, (key, label, _) in zip(axes, CURVE_METRICS):
+                xs, mean, std = [], [], []
+                for step, rs in by_step.items():
+                    v = _finite([r.get(key) for r in rs])
+                    secs = _finite([r.get("train_seconds") for r in rs])
+                    if not v or (name == "curves_time.png" and not secs):
+                        continue
+                    t = torch.tensor(v, dtype=torch.float64)
+                    xs.append(step if name == "curves_steps.png" else sum(secs) / len(secs))
+                    mean.append(t.mean().item()), std.append(t.std().item() if len(v) > 1 else 0.0)
+                m, sd = torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
+                ax.plot(xs, mean, styles[gs.index(g) % len(styles)], color=color, marker=".",
+                        label=f"{ROWS[row][0]}, ω = {g:g}")
+                ax.fill_between(xs, (m - sd).tolist(), (m + sd).tolist(), color=color, alpha=0.15)
+        for ax, (key, label, _) in zip(axes, CURVE_METRICS):
+            ax.set_xlabel(xlabel), ax.set_ylabel(label), ax.grid(alpha=0.3)
+        axes[0].set_yscale("log")
+        axes[0].legend(fontsize=7)
+        seeds = sorted({r["seed"] for c in curves.values() for rs in c.values() for r in rs})
+        fig.suptitle(f"digits, budget {args.steps} steps x batch {args.batch} "
+                     f"({'bf16' if args.bf16 else 'fp32'}), seeds {seeds}, mean ± std over seeds")
+        fig.tight_layout()
+        tmp = out / (name + ".tmp.png")
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, out / name)
+        plt.close(fig)
+    return True
 
 
 def plot_few_steps(records: list[dict], args, path: Path) -> bool:
@@ -381,11 +613,13 @@ def plot_few_steps(records: list[dict], args, path: Path) -> bool:
     steps = sorted({r["sample_steps"] for r in few})
     xs = list(range(len(steps)))  # categorical x: 1..8 then 50
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for row, name, style in (("vqlcmd", "VQ-LCMD (DDIM)", "o-"), ("maskgit", "MaskGIT", "s--")):
+    for (row, sampler, name), style in zip(FEW_STEP_LINES, ("s--", "o-", "^:")):
+        if not any((r["row"], r["sampler"]) == (row, sampler) for r in few):
+            continue
         for ax, key in zip(axes, ("fid", "accuracy")):
             mean, std, x_ok = [], [], []
             for x, s in zip(xs, steps):
-                v = [r[key] for r in few if r["row"] == row and r["sample_steps"] == s]
+                v = [r[key] for r in few if (r["row"], r["sampler"]) == (row, sampler) and r["sample_steps"] == s]
                 if v:
                     t = torch.tensor(v, dtype=torch.float64)
                     mean.append(t.mean().item()), std.append(t.std().item() if len(v) > 1 else 0.0), x_ok.append(x)
@@ -403,6 +637,34 @@ def plot_few_steps(records: list[dict], args, path: Path) -> bool:
     return True
 
 
+def write_report(records: list[dict], args, log) -> None:
+    """tables.md, few_steps.png and (with curve records) curves_steps.png / curves_time.png under --out."""
+    _, base = load_config(args.config)
+    sizes = {r.get("image_size") for r in records if r.get("image_size")}
+    args.image_size = sizes.pop() if len(sizes) == 1 else 32
+    cur = _current(records, args)  # this budget and setup
+    # a run's training time: its last evaluation's (the time is cumulative along the curve)
+    train_s = {}
+    for r in cur:
+        key = (r["row"], r["seed"])
+        train_s[key] = max(train_s.get(key, 0.0), r.get("train_seconds") or 0.0)
+    header = (f"Budget: {args.steps} training steps x batch {args.batch} per run in "
+              f"{'bf16' if args.bf16 else 'fp32'}, seeds {args.seeds}, "
+              f"{args.per_class} samples per class per evaluation, guidance ω = {base.sample.guidance_scale}, "
+              f"VQ-LCMD shift {args.ns_shift}; base config {args.config}, preset {base.model.preset}"
+              f"{' with ' + json.dumps(args.model_overrides) if args.model_overrides else ''}"
+              f"{f', digits at {args.digits_size} px (tokenizer {args.tokenizer_steps} steps)' if args.digits_size else ''}. "
+              f"Wall time: {sum(r['sample_seconds'] for r in cur) + sum(train_s.values()):.0f} s of training and sampling.")
+    text = write_tables(records, args, header)
+    atomic_write_text(args.out / "tables.md", text)
+    plots = [name for name, made in (("few_steps.png", plot_few_steps(records, args, args.out / "few_steps.png")),
+                                     ("curves_steps.png / curves_time.png", plot_curves(records, args, args.out)))
+             if made]
+    if log is not None:
+        log(text)
+        log(f"tables -> {args.out / 'tables.md'}" + (f"; plots -> {', '.join(plots)} in {args.out}" if plots else ""))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="ds_digits.json", help="base config (a path or a name in configs/)")
@@ -412,9 +674,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=positive_int, default=3000, help="training steps per run (the budget)")
     p.add_argument("--batch", type=positive_int, default=64, help="micro-batch per step")
     p.add_argument("--checkpoint-every", type=non_negative_int, default=0)
-    p.add_argument("--bf16", choices=["false", "true", "auto"], default="false",
+    p.add_argument("--bf16", choices=["config", "false", "true", "auto"], default="config",
                    help="train in bf16 (auto: where the device has native bf16, see vqlcmd/engine/precision.py); "
-                        "default fp32, as the committed records in docs/ were measured, whatever the base config says")
+                        "default: the base config's bf16.enabled (ds_digits.json: auto). The committed 16-token "
+                        "records in docs/ were made with --bf16 false (fp32)")
     p.add_argument("--ns-shift", type=float, default=-1.0,
                    help="schedule shift of the VQ-LCMD rows (the paper's NS; 'w/o NS' uses 0)")
     p.add_argument("--per-class", type=positive_int, default=50, help="samples per class for each evaluation")
@@ -427,7 +690,16 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (per run with --jobs)")
     p.add_argument("--jobs", type=positive_int, default=1, help="runs trained at once, each in its own process")
     p.add_argument("--time-limit", type=non_negative_float, default=None,
-                   help="seconds after which no new run starts")
+                   help="seconds after which no new run (with --eval-every and one job: no new segment) starts")
+    p.add_argument("--eval-every", type=non_negative_int, default=0,
+                   help="learning curves: evaluate each run every N training steps (and at the end) with the main "
+                        "sampler at each --curve-guidance ω, training in segments that resume the run's checkpoint "
+                        "(0: only at the end)")
+    p.add_argument("--curve-guidance", nargs="+", type=non_negative_float, default=CURVE_GUIDANCE,
+                   help="guidance scales ω of the learning curves' evaluations")
+    p.add_argument("--patience", type=non_negative_int, default=0,
+                   help="with --eval-every: stop a run once its FID at ω = 0 has not improved for P evaluations, and "
+                        "run the end-of-run evaluations there (0: train the whole budget)")
     p.add_argument("--model-overrides", type=json_object, default={},
                    help='DenoiserConfig fields for every row, e.g. \'{"width": 64, "depth": 2}\'')
     p.add_argument("--digits-size", type=positive_int, default=None,
@@ -443,7 +715,10 @@ def main(argv=None) -> int:
     if args.digits_size is not None and args.digits_size % 4:  # the tokenizer halves the image twice
         p.error(f"--digits-size must be a multiple of 4 (the tokenizer downsamples by 4), got {args.digits_size}")
     # a repeated seed, row or step count ran again and counted as another seed
-    args.seeds, args.rows, args.few_steps = (list(dict.fromkeys(v)) for v in (args.seeds, args.rows, args.few_steps))
+    args.seeds, args.rows, args.few_steps, args.curve_guidance = (
+        list(dict.fromkeys(v)) for v in (args.seeds, args.rows, args.few_steps, args.curve_guidance))
+    if args.patience and not args.eval_every:
+        p.error("--patience needs --eval-every (convergence is read off the learning curve)")
     if args.quick:
         args.seeds, args.steps, args.per_class, args.batch = args.seeds[:1], 2, 2, 8
         args.main_steps, args.main_steps_maskgit, args.few_steps = 4, 2, [1, 2, 4]
@@ -452,7 +727,10 @@ def main(argv=None) -> int:
     from vqlcmd.engine.precision import resolve_bf16
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Trainer's choice
-    args.bf16 = resolve_bf16({"false": False, "true": True, "auto": "auto"}[args.bf16], device)[0]
+    ds, base = load_config(args.config)
+    bf16 = ds.get("bf16", {}).get("enabled", False) if args.bf16 == "config" else args.bf16
+    args.bf16 = resolve_bf16({"false": False, "true": True, "auto": "auto"}.get(bf16, bf16), device)[0]
+    args.guidance = base.sample.guidance_scale
     args.out.mkdir(parents=True, exist_ok=True)
     args.data = None
     if args.digits_size is not None and not args.report_only:
@@ -480,31 +758,18 @@ def main(argv=None) -> int:
     # seed-major: an interrupted run still has every row for the first seeds
     jobs = [] if args.report_only else [(row, seed) for seed in args.seeds for row in args.rows]
     # finished runs get no job (with --jobs, each job is a fresh process that imports torch first)
-    pending = [job for job in jobs if pending_evals(*job, args, done)]
+    pending = [job for job in jobs if has_pending(*job, args, records, done)]
     if len(pending) < len(jobs):
         log(f"{len(jobs) - len(pending)} of {len(jobs)} runs already in {results}: not rerun")
     jobs = pending
     failed = []
-    for new in _run_jobs(jobs, args, done, log, failed):
+    for new in _run_jobs(jobs, args, records, done, log, failed):
         append_records(results, new)
         records += new
         done.update(_record_key(r) for r in new)
-    ds, base = load_config(args.config)
-    sizes = {r.get("image_size") for r in records if r.get("image_size")}
-    args.image_size = sizes.pop() if len(sizes) == 1 else 32
-    cur = _current(records, args)  # this budget and setup
-    header = (f"Budget: {args.steps} training steps x batch {args.batch} per run in "
-              f"{'bf16' if args.bf16 else 'fp32'}, seeds {args.seeds}, "
-              f"{args.per_class} samples per class per evaluation, guidance ω = {base.sample.guidance_scale}, "
-              f"VQ-LCMD shift {args.ns_shift}; base config {args.config}, preset {base.model.preset}"
-              f"{' with ' + json.dumps(args.model_overrides) if args.model_overrides else ''}"
-              f"{f', digits at {args.digits_size} px (tokenizer {args.tokenizer_steps} steps)' if args.digits_size else ''}. "
-              f"Wall time: {sum(r['sample_seconds'] for r in cur) + sum({(r['row'], r['seed']): r['train_seconds'] for r in cur}.values()):.0f} s of training and sampling.")
-    text = write_tables(records, args, header)
-    atomic_write_text(args.out / "tables.md", text)
-    plotted = plot_few_steps(records, args, args.out / "few_steps.png")
-    print(text)
-    print(f"tables -> {args.out / 'tables.md'}" + (f"; plot -> {args.out / 'few_steps.png'}" if plotted else ""))
+        if args.eval_every:  # the report as the curves grow: a long run killed at a deadline has it
+            write_report(records, args, log=None)
+    write_report(records, args, log=print)
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(f'{r} seed {s}' for r, s in failed)} (see above); the "
               "others' results are in " + str(results), file=sys.stderr)

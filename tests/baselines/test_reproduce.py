@@ -84,7 +84,7 @@ def _args(mod, *extra):
 
     ns = argparse.Namespace(config="ds_digits.json", ns_shift=-1.0, per_class=20, model_overrides={}, eval_batch=None,
                             digits_size=16, tokenizer_steps=400, steps=1100, batch=64, bf16=False, main_steps=50,
-                            main_steps_maskgit=8)
+                            main_steps_maskgit=8, guidance=1.0)
     for key, value in extra:
         setattr(ns, key, value)
     ns.setup = mod.setup_id(ns)
@@ -149,3 +149,109 @@ def test_a_failing_run_does_not_stop_the_sweep(tiny_config, tmp_path):
     assert "csdm_fixed seed 0 failed: ConfigError" in res.stdout and "1 run(s) failed: csdm_fixed seed 0" in res.stderr
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["row"] for r in records] == ["vqlcmd"] and (out / "tables.md").is_file()
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_learning_curves_few_steps_and_report_only(tiny_config, tmp_path):
+    """--eval-every trains in resumed segments and evaluates at each step (ω = 0 and 1), the runs taking turns;
+    the end-of-run evaluations are those of one unbroken run; a rerun with more evaluations trains nothing and
+    adds only those; --report-only rebuilds the tables and plots from the records alone."""
+    cfg = tiny_config()
+    out = tmp_path / "curves"
+    base = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--quick", "--config", str(cfg),
+            "--rows", "vqlcmd", "maskgit"]
+    res = subprocess.run(base + ["--out", str(out), "--eval-every", "1", "--no-few-steps"], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = _records(out / "results.jsonl")
+    curve = [r for r in records if r["kind"] == "curve"]
+    # the runs take turns an eval step at a time: both methods are evaluated at step 1 before either at step 2
+    assert [(r["row"], r["train_step"], r["guidance"]) for r in curve] == [
+        (row, step, g) for step in (1, 2) for row in ("vqlcmd", "maskgit") for g in (0.0, 1.0)]
+    for r in records:
+        assert r["seed"] == 0 and r["train_steps"] == 2 and r["method"] == r["row"]
+        assert (r["sampler"], r["sample_steps"]) == (("maskgit", 2) if r["row"] == "maskgit" else ("ancestral", 4))
+        for key in ("fid", "precision", "recall", "accuracy", "spread_ratio"):
+            assert r[key] == r[key], (r["row"], key)
+    for row in ("vqlcmd", "maskgit"):  # cumulative training time, growing along the curve
+        secs = [r["train_seconds"] for r in curve if r["row"] == row and r["guidance"] == 0.0]
+        assert 0 < secs[0] < secs[1]
+    main = {r["row"]: r for r in records if r["kind"] == "main"}
+    assert {r["train_step"] for r in main.values()} == {2} and all(r["stopped"] == "budget" for r in main.values())
+    # main (ω = 1 at the last step) is the curve's last ω = 1 evaluation, not a second sampling
+    assert main["vqlcmd"]["fid"] == next(r["fid"] for r in curve if (r["row"], r["train_step"], r["guidance"])
+                                         == ("vqlcmd", 2, 1.0))
+
+    # a training in one piece gives the same model: the segments resumed bit-exactly
+    whole = tmp_path / "whole"
+    res = subprocess.run(base + ["--out", str(whole), "--no-few-steps"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert {r["row"]: r["fid"] for r in _records(whole / "results.jsonl")} == {k: r["fid"] for k, r in main.items()}
+
+    # the few-step evaluations added later: nothing trained again, no finished evaluation redone
+    log_before = (out / "train.log").read_text()
+    res = subprocess.run(base + ["--out", str(out), "--eval-every", "1"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    after = _records(out / "results.jsonl")
+    assert after[:len(records)] == records
+    assert sorted((r["row"], r["sampler"], r["sample_steps"], r["train_step"]) for r in after[len(records):]) == sorted(
+        [("maskgit", "maskgit", n, 2) for n in (1, 2, 4)] + [("vqlcmd", s, n, 2) for s in ("ancestral", "ddim")
+                                                             for n in (1, 2, 4)])  # --quick's few steps
+    assert "nothing to train" in (out / "train.log").read_text()[len(log_before):]
+
+    # the report from the records alone, in a fresh folder
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "results.jsonl").write_text((out / "results.jsonl").read_text())
+    (report / "real_reference_16px.json").write_text(json.dumps(dict(fid=0.1, precision=0.9, recall=0.9,
+                                                                     num_samples=899)))
+    res = subprocess.run(base + ["--out", str(report), "--report-only"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (report / "runs").exists()
+    tables = (report / "tables.md").read_text()
+    for title in ("Learning curve: VQ-LCMD, ω = 0 (ancestral 4 steps)", "Learning curve: MaskGIT, ω = 1 (maskgit 2",
+                  "VQ-LCMD (ancestral) fid", "VQ-LCMD (DDIM) fid", "MaskGIT fid", "At training step 2"):
+        assert title in tables, title
+    for png in ("curves_steps.png", "curves_time.png", "few_steps.png"):
+        assert (report / png).stat().st_size > 1000, png
+
+
+def _curve_record(seed, step, fid, guidance=0.0, **kw):
+    return dict(row="vqlcmd", seed=seed, train_steps=8, batch=64, bf16=False, kind="curve", train_step=step,
+                sample_steps=50, sampler="ancestral", guidance=guidance, fid=fid, train_seconds=10.0 * step, **kw)
+
+
+def test_convergence_is_read_off_the_fid_at_guidance_zero():
+    mod = _module()
+    args = _args(mod, ("steps", 8), ("eval_every", 2), ("patience", 2), ("curve_guidance", [0.0, 1.0]),
+                 ("no_few_steps", True), ("few_steps", []), ("guidance", 1.0))
+    assert mod.eval_steps(args) == [2, 4, 6, 8]
+    # best at step 4; 6 and 8 are worse: two evaluations without improvement -> converged at 8
+    recs = [_curve_record(0, s, f) for s, f in ((2, 3.0), (4, 2.0), (6, 2.5), (8, 2.1))]
+    assert mod.converged_at("vqlcmd", 0, args, recs) == 8
+    # nor a record of another setup (another shift, sample count...)
+    assert mod.converged_at("vqlcmd", 0, args, recs + [_curve_record(0, 6, 0.01, setup="other")]) == 8
+    assert mod.converged_at("vqlcmd", 0, args, recs[:3]) is None  # one evaluation without improvement so far
+    # the ω = 1 curve does not decide it, nor does another seed
+    worse = [_curve_record(0, s, 9.0 + s, guidance=1.0) for s in (2, 4, 6)] + [_curve_record(1, 6, 0.1)]
+    assert mod.converged_at("vqlcmd", 0, args, recs[:3] + worse) is None
+    args.patience = 1
+    assert mod.converged_at("vqlcmd", 0, args, recs) == 6
+
+
+def test_curve_table_is_the_mean_and_std_over_seeds():
+    mod = _module()
+    args = _args(mod, ("steps", 8), ("curve_guidance", [0.0]))
+    recs = [_curve_record(0, 2, 1.0, precision=0.5, recall=0.25, accuracy=0.5, spread_ratio=0.5),
+            _curve_record(1, 2, 3.0, precision=0.7, recall=0.75, accuracy=0.7, spread_ratio=0.7),
+            _curve_record(0, 4, 0.5, precision=0.9, recall=0.5, accuracy=1.0, spread_ratio=0.6)]
+    for r in recs:
+        r["setup"] = args.setup
+    lines = mod.curve_tables(recs, args)
+    assert lines[0] == "### Learning curve: VQ-LCMD, ω = 0 (ancestral 50 steps)"
+    # seeds 0 and 1 at step 2: FID mean 2, sample std sqrt(2); recall mean 0.5, std 0.354
+    assert "| 2 | 2 | 20 ± 0 | 2.00 ± 1.41 | 0.60 ± 0.14 | 0.50 ± 0.35 | 0.600 ± 0.141 | 0.60 ± 0.14 |" in lines
+    assert "| 4 | 1 | 40 | 0.50 | 0.90 | 0.50 | 1.000 | 0.60 |" in lines

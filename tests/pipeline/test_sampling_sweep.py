@@ -1,0 +1,37 @@
+"""scripts/sampling_sweep.py: every setting scored once, with the pipeline's own sampler under those settings."""
+import json
+
+import torch
+
+
+def test_sweep_scores_each_setting_once_and_continues(tiny_pipeline, tmp_path, load_script, monkeypatch):
+    sweep = load_script("sampling_sweep")
+    folder = tmp_path / "pipe"
+    tiny_pipeline.save_pretrained(folder)
+    scored = []
+
+    def fake_metrics(images, labels):  # the digits classifier needs 8x8-multiple digits: score the images' mean
+        scored.append(images.clone())
+        return {"num_samples": len(images), "accuracy": 0.99, "spread_ratio": float(images.mean()), "fid": 1.0,
+                "precision": 0.5, "recall": 0.6}
+
+    monkeypatch.setattr("vqlcmd.metrics.digits.evaluate_digit_samples", fake_metrics)
+    out = tmp_path / "sweep.jsonl"
+    argv = [str(folder), "--out", str(out), "--steps", "2", "--guidance", "0", "2", "--finals", "sample", "argmax",
+            "--samplers", "ddim", "--per-class", "2"]
+    assert sweep.main(argv) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["guidance"], r["final"]) for r in recs] == [(0.0, "sample"), (0.0, "argmax"), (2.0, "sample"),
+                                                          (2.0, "argmax")]
+    # each setting's images are the pipeline's own under that setting and seed
+    for r, images in zip(recs, scored):
+        want = tiny_pipeline(torch.arange(4).repeat_interleave(2), num_steps=2, guidance_scale=r["guidance"],
+                             sampler="ddim", final=r["final"], output_type="pt",
+                             generator=torch.Generator().manual_seed(0))
+        assert torch.equal(images, want)
+    assert not torch.equal(scored[0], scored[2])  # ω reached the sampler
+    assert "| ddim | 2 | 2 | argmax |" in out.with_suffix(".md").read_text()
+    # a rerun with one more ω samples only that one
+    assert sweep.main(argv[:6] + ["0", "1", "2"] + argv[8:]) == 0
+    assert [r["guidance"] for r in map(json.loads, out.read_text().splitlines())][4:] == [1.0, 1.0]
+    assert len(scored) == 6
