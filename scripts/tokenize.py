@@ -121,16 +121,19 @@ def _write_all(args, tok, images, size, progress) -> dict:
                                    prefix=prefix, progress=progress, overwrite=args.overwrite, skipped=skipped)
         left_out = stats["skipped_files"]
         print(f"{prefix}: {stats['written']}/{stats['shards']} shards written, {stats['images']} images, "
-              f"{stats['images_per_s']:.1f} images/s, {len(left_out)} skipped at decoding"
-              + (f" ({', '.join(left_out[:10])}{', ...' if len(left_out) > 10 else ''})" if left_out else ""))
+              f"{stats['images_per_s']:.1f} images/s, {len(left_out)} skipped at decoding{_first_names(left_out)}")
         results[prefix] = stats
     TokenShardDataset(args.out, verify=False)  # the folder as a whole: no other run's shards beside these
     left_out = sorted({f for stats in results.values() for f in stats["skipped_files"]})
     if images.skipped or left_out:
         print(f"{len(images.skipped) + len(left_out)} image(s) skipped in all: {len(images.skipped)} by the "
-              f"--check-images {args.check_images} listing, {len(left_out)} at decoding"
-              + (f" ({', '.join(left_out[:10])}{', ...' if len(left_out) > 10 else ''})" if left_out else ""))
+              f"--check-images {args.check_images} listing, {len(left_out)} at decoding{_first_names(left_out)}")
     return results
+
+
+def _first_names(names: list) -> str:
+    """ " (a, b, ...)": the first ten of ``names`` for a summary line; nothing for none."""
+    return f" ({', '.join(names[:10])}{', ...' if len(names) > 10 else ''})" if names else ""
 
 
 if __name__ == "__main__":

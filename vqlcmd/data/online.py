@@ -15,7 +15,7 @@ import torch
 
 from .images import ImageList, image_batches, list_images
 from .loader import ShardLoader
-from .skipping import PREFETCH as _PREFETCH, record_undecodable, stand_ins
+from .skipping import PREFETCH as _PREFETCH, record_undecodable, skipping_message, stand_ins
 
 _FLIP_STREAM = 0x666C6970  # ("flip"): the coins' seed sequence, apart from the permutation's PCG64([seed, epoch])
 
@@ -133,9 +133,7 @@ class OnlineTokenLoader:
         found = record_undecodable(self.images, files, self.bad)
         if not found:
             return False
-        warnings.warn(f"skipping {len(found)} image(s) that fail to decode: "
-                      + "; ".join(f"{f} ({r})" for f, r in found.items())
-                      + f" ({len(self.skipped)} skipped in all)", stacklevel=3)
+        warnings.warn(skipping_message(found) + f" ({len(self.skipped)} skipped in all)", stacklevel=3)
         return True
 
     def forever(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -34,6 +34,11 @@ def record_undecodable(images: ImageList, files, bad: dict) -> dict:
     return found
 
 
+def skipping_message(found: dict) -> str:
+    """The warning that names the files ``record_undecodable`` found, with their reasons."""
+    return f"skipping {len(found)} image(s) that fail to decode: " + "; ".join(f"{f} ({r})" for f, r in found.items())
+
+
 def stand_ins(images: ImageList, files: list[str], bad: dict) -> list[str]:
     """``files`` with each known-bad one replaced by a readable file of ``images``, so the decoder's batches keep
     their size and place; the caller drops those rows."""
@@ -67,8 +72,7 @@ def readable_batches(images: ImageList, start: int, stop: int, bad: dict, size: 
                 found = record_undecodable(images, window, bad)
                 if not found:
                     raise
-                warnings.warn(f"skipping {len(found)} image(s) that fail to decode: "
-                              + "; ".join(f"{f} ({r})" for f, r in found.items()), stacklevel=2)
+                warnings.warn(skipping_message(found), stacklevel=2)
                 break  # decode again from this batch, the bad files now stood in for
             sel = keep[:len(x)]
             keep, rest = keep[len(x):], rest[len(x):]
