@@ -29,6 +29,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
+from benchmarks.run import git_commit  # noqa: E402
 from vqlcmd.cli import json_object, non_negative_float, non_negative_int, positive_int, seed_int  # noqa: E402
 from vqlcmd.engine.checkpoint import atomic_write_text  # noqa: E402
 from vqlcmd.engine.config import load_config, parse_vqlcmd_section, resolve_config_path  # noqa: E402
@@ -356,7 +357,7 @@ def run_segments(row: str, seed: int, args, records: list[dict], done: set, log)
                 rec = {"row": row, "seed": seed, "train_steps": args.steps, "batch": args.batch, "bf16": args.bf16,
                        "setup": args.setup, "kind": kind, "train_step": s, "sample_steps": steps, "sampler": sampler,
                        "method": cfg.method, "guidance": guidance, "train_seconds": seconds,
-                       "final_losses": losses, **metrics}
+                       "final_losses": losses, "commit": args.commit, **metrics}
                 if kind != "curve":
                     rec["stopped"] = "budget" if s == args.steps else "converged"
                 new.append(rec)
@@ -744,6 +745,7 @@ def main(argv=None) -> int:
         print(f"digits at {args.digits_size} px: tokenizer {info['tokenizer']} (PSNR {info['psnr']:.1f} dB, "
               f"{info['codebook_usage']}/{info['codebook_size']} codes)")
     args.setup = setup_id(args)
+    args.commit = git_commit()  # the tree each record was made from ("-dirty" when it had changes)
     results = args.out / "results.jsonl"
     records = read_records(results)
     done = {_record_key(r) for r in records if _same_setup(r, args.setup)}

@@ -171,8 +171,11 @@ def test_learning_curves_few_steps_and_report_only(tiny_config, tmp_path):
     # the runs take turns an eval step at a time: both methods are evaluated at step 1 before either at step 2
     assert [(r["row"], r["train_step"], r["guidance"]) for r in curve] == [
         (row, step, g) for step in (1, 2) for row in ("vqlcmd", "maskgit") for g in (0.0, 1.0)]
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
     for r in records:
         assert r["seed"] == 0 and r["train_steps"] == 2 and r["method"] == r["row"]
+        assert head in r["commit"], r["commit"]  # the tree it was made from ("-dirty" if it had changes)
         assert (r["sampler"], r["sample_steps"]) == (("maskgit", 2) if r["row"] == "maskgit" else ("ancestral", 4))
         for key in ("fid", "precision", "recall", "accuracy", "spread_ratio"):
             assert r[key] == r[key], (r["row"], key)
