@@ -357,7 +357,8 @@ def run_segments(row: str, seed: int, args, records: list[dict], done: set, log)
                 rec = {"row": row, "seed": seed, "train_steps": args.steps, "batch": args.batch, "bf16": args.bf16,
                        "setup": args.setup, "kind": kind, "train_step": s, "sample_steps": steps, "sampler": sampler,
                        "method": cfg.method, "guidance": guidance, "train_seconds": seconds,
-                       "final_losses": losses, "commit": args.commit, **metrics}
+                       "final_losses": losses, "commit": args.commit,
+                       "tokenizer": (args.data or {}).get("tokenizer_quality"), **metrics}
                 if kind != "curve":
                     rec["stopped"] = "budget" if s == args.steps else "converged"
                 new.append(rec)
@@ -741,7 +742,10 @@ def main(argv=None) -> int:
 
         info = prepare_digits(args.digits_cache, steps=args.tokenizer_steps, size=args.digits_size, progress=False)
         grid = TokenShardDataset(info["shards"]).header["grid"]
-        args.data = {"shards": info["shards"], "tokenizer": info["tokenizer"], "seq_len": int(grid[0]) * int(grid[1])}
+        args.data = {"shards": info["shards"], "tokenizer": info["tokenizer"], "seq_len": int(grid[0]) * int(grid[1]),
+                     # which tokenizer: a rebuilt cache (another machine, thread count) is a slightly different one
+                     "tokenizer_quality": {"psnr": round(float(info["psnr"]), 2),
+                                           "codes_used": int(info["codebook_usage"])}}
         print(f"digits at {args.digits_size} px: tokenizer {info['tokenizer']} (PSNR {info['psnr']:.1f} dB, "
               f"{info['codebook_usage']}/{info['codebook_size']} codes)")
     args.setup = setup_id(args)
