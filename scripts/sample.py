@@ -38,12 +38,12 @@ from typing import Optional  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vqlcmd.cli import add_threads_option, non_negative_float, positive_int  # noqa: E402
+from vqlcmd.cli import add_threads_option, noise_interval, non_negative_float, positive_int  # noqa: E402
 
 MANIFEST = "manifest.json"
 # settings that change the images: a continuation must match them
 IMAGE_KEYS = ("weights_sha256", "num_samples", "seed", "labels", "num_steps", "guidance_scale", "sampler", "final",
-              "dtype")
+              "dtype", "guidance_interval")  # (the last only where it is not every t: absent from older manifests)
 
 
 def weights_digest(folder: Path) -> str:
@@ -213,7 +213,7 @@ def _manifest_error(out: Path, settings: dict) -> Optional[str]:
             old = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             return f"{path} is not readable JSON ({exc}): delete it, with the images beside it, or use another --out"
-        diff = {k: (old.get(k), settings[k]) for k in IMAGE_KEYS if old.get(k) != settings[k]}
+        diff = {k: (old.get(k), settings.get(k)) for k in IMAGE_KEYS if old.get(k) != settings.get(k)}
         if diff:
             return (f"{out} holds samples made with other settings {diff} (old, new); "
                     "use another --out or delete the folder")
@@ -240,6 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--guidance-scale", type=non_negative_float, default=None, help="ω (0: no guidance)")
     p.add_argument("--sampler", choices=("ancestral", "ddim"), default=None)
     p.add_argument("--final", choices=("sample", "argmax"), default=None)
+    p.add_argument("--guidance-interval", type=noise_interval, default=None, metavar="LO,HI",
+                   help="guide only at noise levels LO <= t <= HI (0,1: everywhere); default: the pipeline's")
     p.add_argument("--batch-size", type=positive_int, default=64, help="images per denoiser batch on each rank")
     p.add_argument("--npz", default=None, help="also write all N images as one ADM-layout .npz (rank 0)")
     p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
@@ -285,6 +287,15 @@ def main(argv=None) -> int:
         "guidance_scale": d.get("guidance_scale", 0.0) if args.guidance_scale is None else args.guidance_scale,
         "sampler": args.sampler or d.get("sampler", "ancestral"), "final": args.final or d.get("final", "sample"),
     }
+    if d.get("sampler") != "maskgit":
+        from vqlcmd.samplers import checked_interval
+
+        interval = checked_interval(d.get("guidance_interval") if args.guidance_interval is None
+                                    else args.guidance_interval)
+        if interval != (0.0, 1.0):  # (absent otherwise: a folder sampled before the option still continues)
+            settings["guidance_interval"] = list(interval)
+    elif args.guidance_interval is not None:
+        raise SystemExit(f"{args.pipeline} holds a MaskGIT model: --guidance-interval does not apply")
     if C == 0:
         if args.guidance_scale:  # the pipeline refuses it too; only the exported default is dropped
             raise SystemExit(f"--guidance-scale {args.guidance_scale}: {args.pipeline} holds an unconditional model, "
@@ -315,7 +326,8 @@ def main(argv=None) -> int:
         gens = image_generators([image_seed(args.seed, i) for i in idx], device=device)
         kw = dict(class_labels=[labels[i] for i in idx]) if C else dict(num_images=len(idx))
         if d.get("sampler") != "maskgit":  # MaskGIT's own sampler takes neither
-            kw.update(sampler=settings["sampler"], final=settings["final"])
+            kw.update(sampler=settings["sampler"], final=settings["final"],
+                      guidance_interval=settings.get("guidance_interval", (0.0, 1.0)))
         images = pipe(**kw, num_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"],
                       generator=gens, batch_size=args.batch_size, output_type="pt")
         for i, img in zip(idx, images):

@@ -25,22 +25,24 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the checkout, not scri
 
 import torch  # noqa: E402
 
-from vqlcmd.cli import non_negative_float, non_negative_int, positive_int  # noqa: E402
+from vqlcmd.cli import noise_interval, non_negative_float, non_negative_int, positive_int  # noqa: E402
 
 GOALS = {"accuracy": 0.98, "spread_ratio": 0.70, "recall": 0.5}  # issue 31 (c): the quick start's targets
 
 
 def _key(r: dict) -> tuple:
-    return r["train_step"], r["per_class"], r["sampler"], r["sample_steps"], r["guidance"], r["final"]
+    return (r["train_step"], r["per_class"], r["sampler"], r["sample_steps"], r["guidance"], r["final"],
+            tuple(r.get("interval") or (0.0, 1.0)))
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| step | sampler | steps | ω | final | accuracy | spread | recall | precision | FID | goals |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(records, key=lambda r: (r["train_step"], r["sampler"], r["sample_steps"], r["guidance"],
-                                            r["final"])):
+    lines = ["| step | sampler | steps | ω | guided t | final | accuracy | spread | recall | precision | FID | goals |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=_key):
         met = all(r[k] >= v for k, v in GOALS.items())
-        lines.append(f"| {r['train_step']} | {r['sampler']} | {r['sample_steps']} | {r['guidance']:g} | {r['final']} "
+        lo, hi = r.get("interval") or (0.0, 1.0)
+        lines.append(f"| {r['train_step']} | {r['sampler']} | {r['sample_steps']} | {r['guidance']:g} "
+                     f"| {'all' if (lo, hi) == (0.0, 1.0) else f'{lo:g}-{hi:g}'} | {r['final']} "
                      f"| {r['accuracy']:.3f} | {r['spread_ratio']:.2f} | {r['recall']:.2f} | {r['precision']:.2f} "
                      f"| {r['fid']:.2f} | {'all met' if met else '–'} |")
     return "\n".join(lines)
@@ -55,6 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--guidance", nargs="+", type=non_negative_float, default=[0.0, 0.5, 1.0, 2.0])
     p.add_argument("--finals", nargs="+", default=["sample", "argmax"], choices=["sample", "argmax"],
                    help="the last draw: x ~ P(x | z_0), or its argmax")
+    p.add_argument("--intervals", nargs="+", type=noise_interval, default=[(0.0, 1.0)], metavar="LO,HI",
+                   help="noise levels t where guidance applies (sample.guidance_interval), e.g. 0,1 (all) 0.2,0.7")
     p.add_argument("--per-class", type=positive_int, default=20)
     p.add_argument("--seed", type=non_negative_int, default=0, help="generator seed of every setting's samples")
     p.add_argument("--time-limit", type=non_negative_float, default=None, help="seconds after which no setting starts")
@@ -72,9 +76,13 @@ def main(argv=None) -> int:
     done = {_key(r) for r in records}
     labels = torch.arange(pipe.network.config.num_classes).repeat_interleave(args.per_class)
     t0 = time.perf_counter()
-    for sampler, steps, guidance, final in itertools.product(args.samplers, args.steps, args.guidance, args.finals):
+    for sampler, steps, guidance, final, interval in itertools.product(args.samplers, args.steps, args.guidance,
+                                                                       args.finals, args.intervals):
+        if guidance == 0 and interval != (0.0, 1.0):  # unguided: the interval changes nothing
+            continue
         rec = {"pipeline": str(args.pipeline), "train_step": step, "per_class": args.per_class, "sampler": sampler,
-               "sample_steps": steps, "guidance": guidance, "final": final, "seed": args.seed}
+               "sample_steps": steps, "guidance": guidance, "final": final, "seed": args.seed,
+               "interval": list(interval)}
         if _key(rec) in done:
             continue
         if args.time_limit is not None and time.perf_counter() - t0 > args.time_limit:
@@ -82,14 +90,15 @@ def main(argv=None) -> int:
             break
         t1 = time.perf_counter()
         images = pipe(labels, num_steps=steps, guidance_scale=guidance, output_type="pt",
-                      generator=torch.Generator().manual_seed(args.seed), sampler=sampler, final=final)
+                      generator=torch.Generator().manual_seed(args.seed), sampler=sampler, final=final,
+                      guidance_interval=interval)
         rec.update(evaluate_digit_samples(images, labels), sample_seconds=round(time.perf_counter() - t1, 1))
         records.append(rec)
         with open(args.out, "a") as f:  # a line per setting as it finishes: a kill loses one setting at most
             f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        print(f"{sampler} {steps} steps ω {guidance:g} {rec['final']}: acc {rec['accuracy']:.3f} spread "
+        print(f"{sampler} {steps} steps ω {guidance:g} t {interval[0]:g}-{interval[1]:g} {rec['final']}: acc {rec['accuracy']:.3f} spread "
               f"{rec['spread_ratio']:.2f} recall {rec['recall']:.2f} FID {rec['fid']:.2f} ({rec['sample_seconds']} s)",
               flush=True)
     text = table(records)

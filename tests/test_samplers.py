@@ -116,11 +116,14 @@ def test_ddim_step_fixed_point():
     torch.testing.assert_close(z_s, a_s * psi + s_s * eps, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sampler", ["ancestral", "ddim"])
-def test_guided_sampling_loop_matches_a_transcription_of_algorithm_2(sampler):
+@pytest.mark.parametrize("sampler,interval", [("ancestral", None), ("ddim", None), ("ancestral", (0.3, 0.7)),
+                                              ("ddim", (0.0, 0.5))])
+def test_guided_sampling_loop_matches_a_transcription_of_algorithm_2(sampler, interval):
     """The whole loop with a model that depends on t and y, ω > 0: z_1 ~ N(0, I); for t_n = n/N down to t_1,
     Ψ̂ from the renormalised P(·|y)^{1+ω} / P(·|∅)^ω, then the posterior (or DDIM) step to t_{n-1}; the
-    final log P at t = 0, guided too. Written in float64 from the paper's formulas, not the schedule's."""
+    final log P at t = 0, guided too. Written in float64 from the paper's formulas, not the schedule's.
+    With a guidance interval [lo, hi], the calls at t outside it use ω = 0 (t = 0.6, 0.4 guided of
+    1, 0.8, 0.6, 0.4, 0.2, 0 for (0.3, 0.7); 0.4, 0.2 and the final draw for (0, 0.5))."""
     torch.manual_seed(0)
     model = build_denoiser("tiny").eval()
     with torch.no_grad():  # AdaLN starts at zero: perturb so that t and y reach the logits
@@ -138,11 +141,14 @@ def test_guided_sampling_loop_matches_a_transcription_of_algorithm_2(sampler):
     assert not torch.allclose(logits(z_probe, 0.3, y), logits(z_probe, 0.7, y))
     assert not torch.allclose(logits(z_probe, 0.3, y), logits(z_probe, 0.3, torch.full((2,), C)))
 
+    lo, hi = interval or (0.0, 1.0)
+
     def guided_log_p(z, t):
+        w_t = w if lo <= t <= hi else 0.0
         with torch.no_grad():
             lc = torch.log_softmax(logits(z.float(), t, y), -1)
             lu = torch.log_softmax(logits(z.float(), t, torch.full((2,), C)), -1)
-        return torch.log_softmax((1 + w) * lc - w * lu, -1)
+        return torch.log_softmax((1 + w_t) * lc - w_t * lu, -1)
 
     def alpha_sigma(t):
         t = min(max(t, 1e-4), 1 - 1e-4)
@@ -151,7 +157,7 @@ def test_guided_sampling_loop_matches_a_transcription_of_algorithm_2(sampler):
 
     z0, log_p = sample_latents(model, table, ShiftedCosineSchedule(shift), class_labels=y, num_steps=N,
                                sampler=sampler, guidance_scale=w, generator=torch.Generator().manual_seed(11),
-                               backend="reference")
+                               backend="reference", guidance_interval=interval)
     g = torch.Generator().manual_seed(11)
     z = torch.randn(2, M, D, generator=g).double()
     for n in range(N, 0, -1):
@@ -261,6 +267,10 @@ def test_conditional_model_without_labels_samples_the_null_class():
     (dict(class_labels=[-1]), r"class_labels must be in \[0, 3\]"),
     (dict(class_labels=[0], num_steps=0), "num_steps must be >= 1"),
     (dict(num_samples=-1), "num_samples must be >= 0"),
+    (dict(class_labels=[0], guidance_interval=(0.7, 0.3)), r"0 <= lo <= hi <= 1, got \[0.7, 0.3\]"),
+    (dict(class_labels=[0], guidance_interval=(-0.1, 1)), r"0 <= lo <= hi <= 1"),
+    (dict(class_labels=[0], guidance_interval=(0.5,)), "two noise levels"),
+    (dict(class_labels=[0], guidance_interval="ab"), "two noise levels"),
 ])
 def test_bad_sampler_arguments_are_refused(kw, match):
     den = FixedLogits(torch.zeros(4, 5), num_classes=3)

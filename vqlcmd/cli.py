@@ -57,6 +57,16 @@ def non_negative_float(text: str) -> float:
     return _finite(text, lambda v: v >= 0, "a finite number >= 0")
 
 
+def noise_interval(text: str) -> tuple[float, float]:
+    """'LO,HI' -> (lo, hi), 0 <= lo <= hi <= 1: the noise levels where guidance applies (sample.guidance_interval)."""
+    from .samplers import checked_interval
+
+    try:
+        return checked_interval(text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def comma_list(item):
     """A comma-separated list whose every item ``item`` (one of the types above) accepts, e.g.
     ``comma_list(positive_int)`` for ``--steps 5,10,20``."""

@@ -25,7 +25,7 @@ from . import ops
 from .model import DenoiserConfig
 from .network import VQLCMDNetwork
 from .ops._checks import checked_guidance
-from .samplers import Generators, class_label_tensor, sample_tokens
+from .samplers import Generators, checked_interval, class_label_tensor, sample_tokens
 from .schedule import ShiftedCosineSchedule
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -236,7 +236,8 @@ class VQLCMDPipeline:
     def __call__(self, class_labels=None, *, num_images: Optional[int] = None, num_steps: Optional[int] = None,
                  guidance_scale: Optional[float] = None, sampler: Optional[str] = None,
                  generator: Generators = None, batch_size: Optional[int] = None, output_type: str = "pil",
-                 final: Optional[str] = None, progress: bool = False, backend: str = "auto"):
+                 final: Optional[str] = None, progress: bool = False, backend: str = "auto",
+                 guidance_interval: Optional[Sequence[float]] = None):
         """Sample images. Conditional models take ``class_labels`` (ints); unconditional ones ``num_images``
         (on a conditional model ``num_images`` draws from the null class, without guidance).
 
@@ -247,7 +248,8 @@ class VQLCMDPipeline:
         is drawn, ``DECODE_BATCH`` images per decoder call. ``output_type``: "pil" (list
         of PIL images), "pt" (float tensor in [0, 1], (N, C, H, W)) or "tokens" ((N, h, w) int64, no
         tokenizer needed). Defaults for
-        ``num_steps``, ``guidance_scale``, ``sampler`` and ``final`` come from the exported config.
+        ``num_steps``, ``guidance_scale``, ``sampler``, ``final`` and ``guidance_interval`` ((lo, hi): guide
+        only at noise levels lo <= t <= hi; (0, 1) everywhere) come from the exported config.
         ``backend``: of the sampler's fused op (the (guided) softmax-weighted embedding average): "auto",
         "reference" or "triton"; the compiled backend has no such op.
         """
@@ -262,6 +264,8 @@ class VQLCMDPipeline:
         num_steps = d.get("num_steps", 50) if num_steps is None else num_steps  # 0 is refused, not the default
         sampler = sampler or d.get("sampler", "ancestral")
         final = final or d.get("final", "sample")
+        guidance_interval = checked_interval(d.get("guidance_interval") if guidance_interval is None
+                                             else guidance_interval)
         labels, n, guidance_scale, generator = self._request(class_labels, num_images, guidance_scale, generator,
                                                              output_type)
         table = self.network.embedding.table()
@@ -276,6 +280,7 @@ class VQLCMDPipeline:
             with self._autocast():  # the sampler only: the tokenizer decodes in its own dtype
                 tokens = sample_tokens(denoiser, table, self.schedule, num_steps=num_steps, sampler=sampler,
                                        guidance_scale=guidance_scale, final=final, backend=backend,
+                                       guidance_interval=guidance_interval,
                                        progress=progress and bar is None, **kw)
             chunks.append(self._finish(tokens, output_type))
             if bar is not None:

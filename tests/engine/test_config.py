@@ -109,6 +109,7 @@ def test_sample_steps_must_be_positive_integers():
     with pytest.raises(ConfigError, match="num_steps must be an integer"):
         parse_vqlcmd_section({"sample": {"num_steps": "50"}})
     assert parse_vqlcmd_section({"sample": {"grid_steps": 10}}).sample.grid_steps == 10
+    assert parse_vqlcmd_section({"sample": {"guidance_interval": [0, 0.75]}}).sample.guidance_interval == [0.0, 0.75]
 
 
 @pytest.mark.parametrize("section, message", [
@@ -272,6 +273,9 @@ def test_set_applies_before_the_methods_switches(tmp_path, monkeypatch):
 @pytest.mark.parametrize("section, match", [
     ({"sample": {"sampler": "ddim2"}}, r"vqlcmd\.sample: sampler must be one of ancestral, ddim, got 'ddim2'"),
     ({"sample": {"final": "max"}}, r"vqlcmd\.sample: final must be one of sample, argmax"),
+    ({"sample": {"guidance_interval": [0.8, 0.2]}},
+     r"vqlcmd\.sample: guidance_interval must satisfy 0 <= lo <= hi <= 1, got \[0\.8, 0\.2\]"),
+    ({"sample": {"guidance_interval": 0.5}}, r"vqlcmd\.sample: guidance_interval must be two noise levels"),
     ({"train": {"backend": "foo"}}, r"vqlcmd\.train: backend must be one of auto, reference, compiled, triton"),
     ({"schedule": {"t_min": 0.6}}, r"vqlcmd\.schedule: t_min must be in \(0, 0\.5\)"),
     ({"loss": {"beta_cm": -1}}, r"vqlcmd\.loss: beta_cm must be a finite number >= 0"),

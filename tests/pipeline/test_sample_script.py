@@ -70,6 +70,26 @@ def test_a_stopped_run_continues_and_keeps_its_images(sample_script, pipe_dir, t
         sample_script.main(_args(pipe_dir, out, "--seed", "1"))
 
 
+def test_guidance_interval_reaches_the_sampler_and_the_manifest(sample_script, pipe_dir, tiny_pipeline, tmp_path):
+    """--guidance-interval samples what the pipeline samples with that interval (image i from its own seed), and
+    a folder made with another interval is not continued as if it were the same settings."""
+    out = tmp_path / "limited"
+    assert sample_script.main(_args(pipe_dir, out, "--guidance-scale", "2", "--guidance-interval", "0.5,1")) == 0
+    assert json.loads((out / "manifest.json").read_text())["guidance_interval"] == [0.5, 1.0]
+    gens = [torch.Generator().manual_seed(sample_script.image_seed(0, i)) for i in range(3)]
+    want = tiny_pipeline([0, 1, 2], num_steps=3, guidance_scale=2.0, guidance_interval=(0.5, 1.0), generator=gens,
+                         output_type="pt")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    for i, image in enumerate(want):
+        sample_script.save_png(image, ref / f"{i:06d}.png")
+    assert _read(ref) == {k: v for k, v in _read(out).items() if k in _read(ref)}
+    assert sample_script.main(_args(pipe_dir, tmp_path / "all", "--guidance-scale", "2")) == 0
+    assert _read(tmp_path / "all") != _read(out)  # the interval reached the sampler
+    with pytest.raises(SystemExit, match="other settings"):
+        sample_script.main(_args(pipe_dir, out, "--guidance-scale", "2"))
+
+
 def test_labels_option(sample_script):
     assert sample_script.class_labels("cycle", 5, 3, 0) == [0, 1, 2, 0, 1]
     assert sample_script.class_labels("1,7", 3, 10, 0) == [1, 7, 1]
@@ -98,7 +118,8 @@ def test_torchrun_two_ranks_match_one(sample_script, pipe_dir, tmp_path):
     (("--guidance-scale", "nan"), "--guidance-scale: must be a finite number >= 0, got nan"),
     # a negative seed aliased another's images; 2**32 overflowed the generator after the manifest was written
     (("--seed", "-1"), "--seed: must be in [0, 2**31), got -1"),
-    (("--seed", "4294967296"), "--seed: must be in [0, 2**31), got 4294967296")])
+    (("--seed", "4294967296"), "--seed: must be in [0, 2**31), got 4294967296"),
+    (("--guidance-interval", "0.9,0.1"), "--guidance-interval: guidance_interval must satisfy 0 <= lo <= hi <= 1")])
 def test_bad_options_are_refused_before_anything_is_written(sample_script, pipe_dir, tmp_path, bad, message, capsys):
     out = tmp_path / "s"
     with pytest.raises(SystemExit) as exc:

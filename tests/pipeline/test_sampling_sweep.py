@@ -30,8 +30,19 @@ def test_sweep_scores_each_setting_once_and_continues(tiny_pipeline, tmp_path, l
                              generator=torch.Generator().manual_seed(0))
         assert torch.equal(images, want)
     assert not torch.equal(scored[0], scored[2])  # ω reached the sampler
-    assert "| ddim | 2 | 2 | argmax |" in out.with_suffix(".md").read_text()
+    assert "| ddim | 2 | 2 | all | argmax |" in out.with_suffix(".md").read_text()
     # a rerun with one more ω samples only that one
     assert sweep.main(argv[:6] + ["0", "1", "2"] + argv[8:]) == 0
     assert [r["guidance"] for r in map(json.loads, out.read_text().splitlines())][4:] == [1.0, 1.0]
     assert len(scored) == 6
+    # a guidance interval is a setting of its own: guided ones only (ω = 0 has nothing to limit), sampled by the
+    # pipeline with that interval
+    assert sweep.main(argv + ["--intervals", "0,1", "0.5,1"]) == 0
+    new = [json.loads(line) for line in out.read_text().splitlines()][6:]
+    assert [(r["guidance"], r["final"], r["interval"]) for r in new] == [(2.0, "sample", [0.5, 1.0]),
+                                                                        (2.0, "argmax", [0.5, 1.0])]
+    want = tiny_pipeline(torch.arange(4).repeat_interleave(2), num_steps=2, guidance_scale=2.0, sampler="ddim",
+                         final="sample", output_type="pt", generator=torch.Generator().manual_seed(0),
+                         guidance_interval=(0.5, 1.0))
+    assert torch.equal(scored[6], want) and not torch.equal(scored[6], scored[2])
+    assert "| ddim | 2 | 2 | 0.5-1 | sample |" in out.with_suffix(".md").read_text()

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Union
 from ..baselines import METHODS, CSDMConfig, MaskGITConfig, apply_method
 from ..diffusion import LossConfig
 from ..ops import BACKENDS
-from ..samplers import FINALS, SAMPLERS
+from ..samplers import FINALS, SAMPLERS, checked_interval
 
 OP_BACKENDS = ("auto", *BACKENDS)
 DATA_SOURCES = ("shards", "images")
@@ -194,8 +194,13 @@ class SampleSection:
     # Sampling steps of the grids saved during training (progress previews); None = num_steps. The
     # end-of-run grid and evaluation always use num_steps.
     grid_steps: Optional[int] = None
+    # [lo, hi]: guidance only where the sampler's noise level t is in it (vqlcmd.samplers.sample_tokens);
+    # None = at every t, as the paper samples
+    guidance_interval: Optional[list] = None
 
     def __post_init__(self):
+        if self.guidance_interval is not None:
+            self.guidance_interval = list(checked_interval(self.guidance_interval))
         for name in ("num_steps", "grid_steps", "per_class"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

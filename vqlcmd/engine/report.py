@@ -63,6 +63,7 @@ def final_report(trainer, per_class: int = 50) -> dict:
               "collapse_indicator": collapse_indicator(trainer.net.embedding.table()[:K]), "num_steps": s["num_steps"],
               # what sampled: an unconditional model's draws are unguided whatever the default says
               "guidance_scale": s["guidance_scale"] if C else 0.0, "sampler": s["sampler"],
+              "guidance_interval": s.get("guidance_interval"),
               "sampling_seconds": round(seconds, 1)}
     if digits:
         from ..metrics.digits import evaluate_digit_samples
@@ -70,8 +71,10 @@ def final_report(trainer, per_class: int = 50) -> dict:
         report.update(evaluate_digit_samples(images, labels))
         # an unconditional model's samples have no labels, so no accuracy (the spread is by predicted class)
         accuracy = f"classifier accuracy {100 * report['accuracy']:.1f}%, " if "accuracy" in report else ""
+        where = "" if report["guidance_interval"] in (None, [0.0, 1.0]) else \
+            " at t in [{:g}, {:g}]".format(*report["guidance_interval"])
         print(f"digits: {report['num_samples']} samples ({s['sampler']}, {s['num_steps']} steps, guidance "
-              f"{report['guidance_scale']}): {accuracy}within-class spread {report['spread_ratio']:.2f}x the real digits'")
+              f"{report['guidance_scale']}{where}): {accuracy}within-class spread {report['spread_ratio']:.2f}x the real digits'")
         # the distribution figures went to report.json only, though they are what shows lost variety
         print(f"digits, against the real digits in the classifier's feature space: FID {report['fid']:.3f}, "
               f"precision {report['precision']:.3f}, recall {report['recall']:.3f}")

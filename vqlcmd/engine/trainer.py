@@ -568,7 +568,8 @@ class Trainer:
         return VQLCMDPipeline(self.sampling_ema.module, self.schedule, tokenizer=tokenizer, tokenizer_ref=ref,
                               class_names=self.header.get("class_names"),
                               sample_defaults={"num_steps": s.num_steps, "guidance_scale": s.guidance_scale,
-                                               "sampler": s.sampler, "final": s.final},
+                                               "sampler": s.sampler, "final": s.final,
+                                               "guidance_interval": s.guidance_interval},
                               extra_config=self._pipeline_record())
 
     def _pipeline_record(self) -> dict:
