@@ -277,8 +277,10 @@ def main(argv=None) -> int:
     if pipe.tokenizer is None:  # found by the first batch otherwise, after the manifest was written
         raise SystemExit(f"{args.pipeline} names no tokenizer to decode its tokens into images")
     d = pipe.sample_defaults
-    if d.get("sampler") == "maskgit" and (args.sampler or args.final):  # a MaskGIT pipeline has its own sampler
-        raise SystemExit(f"{args.pipeline} holds a MaskGIT model: --sampler and --final do not apply")
+    if d.get("sampler") == "maskgit" and (args.sampler or args.final or args.guidance_interval is not None):
+        # a MaskGIT pipeline has its own sampler
+        raise SystemExit(f"{args.pipeline} holds a MaskGIT model: --sampler, --final and --guidance-interval "
+                         "do not apply")
     C = pipe.network.config.num_classes
     settings = {
         "pipeline": str(Path(args.pipeline).resolve()), "weights_sha256": digest,
@@ -288,14 +290,12 @@ def main(argv=None) -> int:
         "sampler": args.sampler or d.get("sampler", "ancestral"), "final": args.final or d.get("final", "sample"),
     }
     if d.get("sampler") != "maskgit":
-        from vqlcmd.samplers import checked_interval
+        from vqlcmd.samplers import EVERY_T, checked_interval
 
         interval = checked_interval(d.get("guidance_interval") if args.guidance_interval is None
                                     else args.guidance_interval)
-        if interval != (0.0, 1.0):  # (absent otherwise: a folder sampled before the option still continues)
+        if interval != EVERY_T:  # (absent otherwise: a folder sampled before the option still continues)
             settings["guidance_interval"] = list(interval)
-    elif args.guidance_interval is not None:
-        raise SystemExit(f"{args.pipeline} holds a MaskGIT model: --guidance-interval does not apply")
     if C == 0:
         if args.guidance_scale:  # the pipeline refuses it too; only the exported default is dropped
             raise SystemExit(f"--guidance-scale {args.guidance_scale}: {args.pipeline} holds an unconditional model, "
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
         kw = dict(class_labels=[labels[i] for i in idx]) if C else dict(num_images=len(idx))
         if d.get("sampler") != "maskgit":  # MaskGIT's own sampler takes neither
             kw.update(sampler=settings["sampler"], final=settings["final"],
-                      guidance_interval=settings.get("guidance_interval", (0.0, 1.0)))
+                      guidance_interval=settings.get("guidance_interval", EVERY_T))
         images = pipe(**kw, num_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"],
                       generator=gens, batch_size=args.batch_size, output_type="pt")
         for i, img in zip(idx, images):

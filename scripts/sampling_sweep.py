@@ -26,13 +26,22 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the checkout, not scri
 import torch  # noqa: E402
 
 from vqlcmd.cli import noise_interval, non_negative_float, non_negative_int, positive_int  # noqa: E402
+from vqlcmd.samplers import EVERY_T, checked_interval  # noqa: E402
 
 GOALS = {"accuracy": 0.98, "spread_ratio": 0.70, "recall": 0.5}  # issue 31 (c): the quick start's targets
 
 
 def _key(r: dict) -> tuple:
     return (r["train_step"], r["per_class"], r["sampler"], r["sample_steps"], r["guidance"], r["final"],
-            tuple(r.get("interval") or (0.0, 1.0)))
+            _interval(r))
+
+
+def _guided_t(interval) -> str:
+    return "all" if tuple(interval) == EVERY_T else "{:g}-{:g}".format(*interval)
+
+
+def _interval(r: dict) -> tuple[float, float]:
+    return checked_interval(r.get("interval"))  # records from before the option guided every t
 
 
 def table(records: list[dict]) -> str:
@@ -40,9 +49,8 @@ def table(records: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=_key):
         met = all(r[k] >= v for k, v in GOALS.items())
-        lo, hi = r.get("interval") or (0.0, 1.0)
         lines.append(f"| {r['train_step']} | {r['sampler']} | {r['sample_steps']} | {r['guidance']:g} "
-                     f"| {'all' if (lo, hi) == (0.0, 1.0) else f'{lo:g}-{hi:g}'} | {r['final']} "
+                     f"| {_guided_t(_interval(r))} | {r['final']} "
                      f"| {r['accuracy']:.3f} | {r['spread_ratio']:.2f} | {r['recall']:.2f} | {r['precision']:.2f} "
                      f"| {r['fid']:.2f} | {'all met' if met else '–'} |")
     return "\n".join(lines)
@@ -57,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--guidance", nargs="+", type=non_negative_float, default=[0.0, 0.5, 1.0, 2.0])
     p.add_argument("--finals", nargs="+", default=["sample", "argmax"], choices=["sample", "argmax"],
                    help="the last draw: x ~ P(x | z_0), or its argmax")
-    p.add_argument("--intervals", nargs="+", type=noise_interval, default=[(0.0, 1.0)], metavar="LO,HI",
+    p.add_argument("--intervals", nargs="+", type=noise_interval, default=[EVERY_T], metavar="LO,HI",
                    help="noise levels t where guidance applies (sample.guidance_interval), e.g. 0,1 (all) 0.2,0.7")
     p.add_argument("--per-class", type=positive_int, default=20)
     p.add_argument("--seed", type=non_negative_int, default=0, help="generator seed of every setting's samples")
@@ -78,7 +86,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for sampler, steps, guidance, final, interval in itertools.product(args.samplers, args.steps, args.guidance,
                                                                        args.finals, args.intervals):
-        if guidance == 0 and interval != (0.0, 1.0):  # unguided: the interval changes nothing
+        if guidance == 0 and interval != EVERY_T:  # unguided: the interval changes nothing
             continue
         rec = {"pipeline": str(args.pipeline), "train_step": step, "per_class": args.per_class, "sampler": sampler,
                "sample_steps": steps, "guidance": guidance, "final": final, "seed": args.seed,
@@ -98,8 +106,8 @@ def main(argv=None) -> int:
             f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        print(f"{sampler} {steps} steps ω {guidance:g} t {interval[0]:g}-{interval[1]:g} {rec['final']}: acc {rec['accuracy']:.3f} spread "
-              f"{rec['spread_ratio']:.2f} recall {rec['recall']:.2f} FID {rec['fid']:.2f} ({rec['sample_seconds']} s)",
+        print(f"{sampler} {steps} steps ω {guidance:g} guided t {_guided_t(interval)} {rec['final']}: acc "
+              f"{rec['accuracy']:.3f} spread {rec['spread_ratio']:.2f} recall {rec['recall']:.2f} FID {rec['fid']:.2f} ({rec['sample_seconds']} s)",
               flush=True)
     text = table(records)
     atomic_write_text(args.out.with_suffix(".md"), text + "\n")

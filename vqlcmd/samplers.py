@@ -113,10 +113,13 @@ def _count(name: str, value) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
+EVERY_T = (0.0, 1.0)  # the guidance interval that guides every call, as the paper samples
+
+
 def checked_interval(interval) -> tuple[float, float]:
-    """``guidance_interval`` as (lo, hi) with 0 <= lo <= hi <= 1; None is every noise level, (0, 1)."""
+    """``guidance_interval`` as (lo, hi) with 0 <= lo <= hi <= 1; None is every noise level, ``EVERY_T``."""
     if interval is None:
-        return 0.0, 1.0
+        return EVERY_T
     try:
         lo, hi = (float(v) for v in interval)
     except (TypeError, ValueError):

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from ..samplers import EVERY_T, checked_interval
+
 
 def on_digits(trainer) -> bool:
     """Whether the run trains on the embedded digits: named in the config, or its shards given by path
@@ -71,8 +73,8 @@ def final_report(trainer, per_class: int = 50) -> dict:
         report.update(evaluate_digit_samples(images, labels))
         # an unconditional model's samples have no labels, so no accuracy (the spread is by predicted class)
         accuracy = f"classifier accuracy {100 * report['accuracy']:.1f}%, " if "accuracy" in report else ""
-        where = "" if report["guidance_interval"] in (None, [0.0, 1.0]) else \
-            " at t in [{:g}, {:g}]".format(*report["guidance_interval"])
+        interval = checked_interval(report["guidance_interval"])
+        where = "" if interval == EVERY_T else " at t in [{:g}, {:g}]".format(*interval)
         print(f"digits: {report['num_samples']} samples ({s['sampler']}, {s['num_steps']} steps, guidance "
               f"{report['guidance_scale']}{where}): {accuracy}within-class spread {report['spread_ratio']:.2f}x the real digits'")
         # the distribution figures went to report.json only, though they are what shows lost variety
