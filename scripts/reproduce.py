@@ -55,6 +55,9 @@ ROWS = {
     "beta_1_0.01": ("β_CM 1, β_DM 0.01", {"loss.beta_cm": 1.0, "loss.beta_dm": 0.01}),
     "dim_16": ("D = 16", {"model.overrides.embed_dim": 16}),
     "dim_64": ("D = 64", {"model.overrides.embed_dim": 64}),
+    # not swept in the paper (η = 0.99 throughout); its teacher lags ~100 steps of runs far longer than ours
+    "eta_0.9": ("η = 0.9", {"ema.teacher": 0.9}),
+    "eta_0.999": ("η = 0.999", {"ema.teacher": 0.999}),
 }
 # (title, paper table, rows; "vqlcmd" is shown under the row label given here)
 TABLES = [
@@ -70,6 +73,8 @@ TABLES = [
       ("vqlcmd", "β_CM 1, β_DM 0.005 = VQ-LCMD")]),
     ("Embedding dimension", "appendix Table \"dimension\"",
      [("dim_16", None), ("vqlcmd", "D = 32 = VQ-LCMD"), ("dim_64", None)]),
+    ("Teacher EMA rate", "not in the paper (η = 0.99 throughout)",
+     [("eta_0.9", None), ("vqlcmd", "η = 0.99 = VQ-LCMD"), ("eta_0.999", None)]),
 ]
 FEW_STEPS = [1, 2, 3, 4, 6, 8, 16, 50]
 CURVE_GUIDANCE = [0.0, 1.0]  # ω of the learning curves' evaluations (--curve-guidance)
@@ -381,7 +386,24 @@ def run_one(row: str, seed: int, args, records: list[dict], done: set, log) -> l
     return [r for new in run_segments(row, seed, args, records, done, log) for r in new]
 
 
+def _exit_with_parent(poll_seconds: float = 2.0) -> None:
+    """End this --jobs worker once the sweep that started it is gone. A killed sweep (SIGTERM's default
+    action runs no ``finally``, and SIGKILL nothing at all) otherwise left its workers training unwatched:
+    their records never written, and a rerun's worker training the same run folder beside them."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:  # an orphan is adopted by init (or a subreaper): another parent id
+            time.sleep(poll_seconds)
+        os._exit(1)  # the run's checkpoints are written atomically: a rerun resumes from the last one
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _worker(row: str, seed: int, args, records: list[dict], done: set) -> list[dict]:
+    _exit_with_parent()
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.jobs))
     return run_one(row, seed, args, records, done, lambda msg: print(msg, flush=True))
 

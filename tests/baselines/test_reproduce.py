@@ -28,8 +28,12 @@ def test_reproduce_quick_runs_every_row(tiny_config, tmp_path):
     assert {r["method"] for r in records} == {"vqlcmd", "maskgit", "csdm_fixed", "csdm", "csdm_l2"}
     tables = (out / "tables.md").read_text()
     for title in ("Baselines", "Ablations", "Dropping strategies", "Loss weights", "Embedding dimension",
-                  "Few sampling steps"):
+                  "Teacher EMA rate", "Few sampling steps"):
         assert title in tables
+    # each row trained with its switch: the η rows' teacher rate, as the run's own resolved config says
+    for row, eta in (("vqlcmd", 0.99), ("eta_0.9", 0.9), ("eta_0.999", 0.999)):
+        (run_config,) = (out / "runs" / row).glob("*/config.json")
+        assert json.loads(run_config.read_text())["vqlcmd"]["ema"]["teacher"] == eta, row
     assert (out / "few_steps.png").stat().st_size > 1000
     # a second invocation reuses the finished runs instead of training again
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -258,3 +262,54 @@ def test_curve_table_is_the_mean_and_std_over_seeds():
     # seeds 0 and 1 at step 2: FID mean 2, sample std sqrt(2); recall mean 0.5, std 0.354
     assert "| 2 | 2 | 20 ± 0 | 2.00 ± 1.41 | 0.60 ± 0.14 | 0.50 ± 0.35 | 0.600 ± 0.141 | 0.60 ± 0.14 |" in lines
     assert "| 4 | 1 | 40 | 0.50 | 0.90 | 0.50 | 1.000 | 0.60 |" in lines
+
+
+def _children(pid: int) -> set[int]:
+    kids = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids.update(int(k) for k in (task / "children").read_text().split())
+    return kids
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may be slow to reap an orphan that has exited)."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return "Z" not in state.split()[1]
+
+
+def test_reproduce_workers_end_with_a_killed_sweep(tiny_config, tmp_path):
+    """SIGTERM to a --jobs sweep (a scheduler's time limit, a shell's kill) ends its workers too: they used to
+    train on, unwatched, and a rerun's worker then trained the same run folder beside them."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "repro"
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--config", str(tiny_config()), "--out", str(out),
+           "--rows", "vqlcmd", "no_cm", "--seeds", "0", "--steps", "1000000", "--jobs", "2", "--threads", "1",
+           "--no-few-steps", "--per-class", "1"]
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        # both workers are training once each run's folder exists (the trainer makes it)
+        while not all((out / "runs" / row).is_dir() for row in ("vqlcmd", "no_cm")):
+            assert sweep.poll() is None and time.monotonic() < deadline, "the sweep did not start its runs"
+            time.sleep(0.5)
+        workers = _children(sweep.pid)
+        assert len(workers) >= 2, workers
+        sweep.send_signal(signal.SIGTERM)
+        sweep.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if _running(pid)], "workers kept running after their sweep was killed"
+    finally:
+        for pid in [sweep.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
