@@ -313,3 +313,24 @@ def test_reproduce_workers_end_with_a_killed_sweep(tiny_config, tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_records_name_the_tokenizer_they_were_made_with(tiny_config, tmp_path):
+    """--digits-size prepares (or reuses) a tokenizer whose training is not bit-reproducible across machines
+    and thread counts; each record says which one it was by its PSNR and codes used, as prepare_digits
+    measured them, and the commit it was made at."""
+    from vqlcmd.data.digits import prepare_digits
+
+    cache, out = tmp_path / "cache", tmp_path / "repro"
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--quick", "--config",
+                          str(tiny_config()), "--out", str(out), "--rows", "vqlcmd", "--no-few-steps",
+                          "--digits-size", "16", "--tokenizer-steps", "3", "--digits-cache", str(cache),
+                          "--model-overrides", '{"codebook_size": 128, "num_classes": 10}'],  # the digits' codebook, classes
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    info = prepare_digits(cache, steps=3, size=16, progress=False, log=lambda *a: None)  # the cached one
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert records and all(r["image_size"] == 16 for r in records)
+    for r in records:
+        assert r["tokenizer"] == {"psnr": round(float(info["psnr"]), 2), "codes_used": int(info["codebook_usage"])}
+        assert r["commit"]
