@@ -111,8 +111,12 @@ def test_records_are_reused_and_tabled_only_under_the_setup_that_made_them(tmp_p
     a.out, a.image_size = tmp_path, 16  # the real-data floor, cached: not fitted here
     (tmp_path / "real_reference_16px.json").write_text(json.dumps(dict(fid=0.1, precision=0.9, recall=0.9,
                                                                          num_samples=899)))
-    table = mod.write_tables(records, a, "h")
+    table = mod.write_tables(records + [dict(rec, row="maskgit", sample_steps=8, sampler="maskgit", setup=a.setup,
+                                              fid=6.0)], a, "h")
     assert "| VQ-LCMD | 2 | ancestral 50 |" in table  # seeds 0 and 1 at 50 steps: not the 4-step evaluation
+    # a table is shown where a row besides its VQ-LCMD reference has records: Baselines, not the ablations
+    assert "### Baselines" in table and "| MaskGIT | 1 | maskgit 8 |" in table
+    assert "### Ablations" not in table and "### Loss weights" not in table
 
 
 def test_a_cut_short_last_record_is_dropped_and_a_bad_earlier_one_named(tmp_path, capsys):
