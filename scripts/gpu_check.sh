@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one bounded run for a machine lent for minutes (issue 32: HEAD verified in one
 # lease of <= 9 minutes from a bare machine). Run `bash scripts/gpu_prepare.sh` here first and carry .whl/:
-#   wheels         installs the carried wheels the image lacks (DeepSpeed and its dependencies), if it lacks them
+#   wheels         installs the carried wheels the image lacks (DeepSpeed and its dependencies, diffusers), if it
+#                  lacks them
 #   build          builds the C++/CUDA extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise)
 #   train-32       `deepspeed scripts/train.py --config ds_imagenet.json` (imagenet-246m, bf16, ZeRO 2) with the
 #                  fast step, uncompiled, per-GPU batch 32 (the paper's), 100 steps on a synthetic token set in
@@ -88,7 +89,7 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', 'CUDA_
 } 2>&1 | tee "$out/env.txt"
 
 need=()
-for mod in deepspeed safetensors tqdm; do "$py" -c "import $mod" 2>/dev/null || need+=("$mod"); done
+for mod in deepspeed safetensors tqdm diffusers; do "$py" -c "import $mod" 2>/dev/null || need+=("$mod"); done
 if (( ${#need[@]} )); then
   step wheels 60 "$py" -m pip install --no-index --find-links .whl "${need[@]}"
 fi
@@ -151,7 +152,7 @@ step bench-noise 40 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl
 train train-256 "${sizes[2]}" false 60
 
 qs_dir="$runs/digits"
-if step quickstart 180 "${launcher[@]}" --config ds_digits.json --evaluate --no-progress \
+if step quickstart 300 "${launcher[@]}" --config ds_digits.json --evaluate --no-progress \
     --set train.output_dir="$qs_dir"; then
   cp "$qs_dir/report.json" "$out/quickstart-report.json" 2>/dev/null
   cp "$qs_dir/samples/final.png" "$out/quickstart-samples.png" 2>/dev/null

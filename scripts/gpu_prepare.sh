@@ -4,6 +4,9 @@
 #   - wheels (once; kept): DeepSpeed 0.19.8 built as a pure-Python wheel (DS_BUILD_OPS=0: its ops are JIT-built
 #     on use, and the engine uses none on GPU), and its dependencies for CPython 3.10-3.13 on manylinux x86_64
 #     (the image's Python is not known here; pip on the machine picks the matching files). About 25 MiB.
+#     Also diffusers (the digits tokenizer's VQModel, for the `quickstart` step) without its dependencies: the
+#     lent H200 image (2026-11-28) had all of them but importlib_metadata and its lazy_importer, and with
+#     them (numpy, Pillow, ...) for four Pythons the carry would pass its 64 MiB.
 #   - .whl/tree.txt: `git describe --dirty`, and for a dirty tree the hash of the manifest beside it;
 #     .whl/tree.sha256: sha256 of every tracked and untracked, not ignored, regular file. gpu_check.sh verifies the
 #     copy on the machine against it, so every row's `commit` names the exact tree that ran.
@@ -24,6 +27,9 @@ if [ "${1:-}" != --no-wheels ] && ! ls "$whl"/pydantic_core-*cp313*.whl >/dev/nu
       --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$whl" \
       hjson py-cpuinfo msgpack ninja einops nvidia-ml-py pydantic psutil packaging tqdm safetensors
   done
+fi
+if [ "${1:-}" != --no-wheels ] && ! ls "$whl"/diffusers-*.whl >/dev/null 2>&1; then
+  pip download --quiet --only-binary=:all: --no-deps -d "$whl" "diffusers==0.42.*" importlib_metadata lazy_importer
 fi
 # regular files only (a symlink such as vqlcmd/kernels -> ../kernels is no file to hash)
 git ls-files -co --exclude-standard -z | sort -z \
