@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Run here, right before a GPU lease: fills .whl/ (git-ignored; the lease carries it) with what the lent image
 # lacks and scripts/gpu_check.sh installs, and writes the tree manifest that names the measured tree.
-#   - wheels (once; kept): DeepSpeed 0.19.8 built as a pure-Python wheel (DS_BUILD_OPS=0: its ops are JIT-built
-#     on use, and the engine uses none on GPU), and its dependencies for CPython 3.10-3.13 on manylinux x86_64
-#     (the image's Python is not known here; pip on the machine picks the matching files). About 25 MiB.
-#     Also diffusers (the digits tokenizer's VQModel, for the `quickstart` step) without its dependencies: the
-#     lent H200 image (2026-11-28) had all of them but importlib_metadata and its lazy_importer, and with
-#     them (numpy, Pillow, ...) for four Pythons the carry would pass its 64 MiB.
+#   - wheels (once; kept): DeepSpeed (requirements.txt's version) built as a pure-Python wheel (DS_BUILD_OPS=0:
+#     its ops are JIT-built on use, and the engine uses none on GPU), and its dependencies for CPython 3.10-3.13
+#     on manylinux x86_64 (the image's Python is not known here; pip on the machine picks the matching files).
+#     About 25 MiB. Also diffusers (requirements.txt's version; the digits tokenizer's VQModel, for the
+#     `quickstart` step) without its dependencies: the lent H200 image (2026-11-28) had all of them but
+#     importlib_metadata and its lazy_importer, and with them (numpy, Pillow, ...) for four Pythons the carry
+#     would pass its 64 MiB.
 #   - .whl/tree.txt: `git describe --dirty`, and for a dirty tree the hash of the manifest beside it;
 #     .whl/tree.sha256: sha256 of every tracked and untracked, not ignored, regular file. gpu_check.sh verifies the
 #     copy on the machine against it, so every row's `commit` names the exact tree that ran.
@@ -15,10 +16,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 whl=.whl
 mkdir -p "$whl"
-if [ "${1:-}" != --no-wheels ] && ! ls "$whl"/deepspeed-0.19.8-*.whl >/dev/null 2>&1; then
+# the versions requirements.txt pins, so the lease runs what CI tests
+ds=$(sed -n 's/^deepspeed==//p' requirements.txt)
+diffusers=$(grep -m1 '^diffusers==' requirements.txt)
+if [ "${1:-}" != --no-wheels ] && ! ls "$whl"/deepspeed-"$ds"-*.whl >/dev/null 2>&1; then
   tmp=$(mktemp -d)
-  pip download --quiet deepspeed==0.19.8 --no-deps --no-binary :all: -d "$tmp"
-  DS_BUILD_OPS=0 pip wheel --quiet --no-deps --no-build-isolation "$tmp"/deepspeed-0.19.8.tar.gz -w "$whl"
+  pip download --quiet deepspeed=="$ds" --no-deps --no-binary :all: -d "$tmp"
+  DS_BUILD_OPS=0 pip wheel --quiet --no-deps --no-build-isolation "$tmp"/deepspeed-"$ds".tar.gz -w "$whl"
   rm -rf "$tmp"
 fi
 if [ "${1:-}" != --no-wheels ] && ! ls "$whl"/pydantic_core-*cp313*.whl >/dev/null 2>&1; then
@@ -29,7 +33,7 @@ if [ "${1:-}" != --no-wheels ] && ! ls "$whl"/pydantic_core-*cp313*.whl >/dev/nu
   done
 fi
 if [ "${1:-}" != --no-wheels ] && ! ls "$whl"/diffusers-*.whl >/dev/null 2>&1; then
-  pip download --quiet --only-binary=:all: --no-deps -d "$whl" "diffusers==0.42.*" importlib_metadata lazy_importer
+  pip download --quiet --only-binary=:all: --no-deps -d "$whl" "$diffusers" importlib_metadata lazy_importer
 fi
 # regular files only (a symlink such as vqlcmd/kernels -> ../kernels is no file to hash)
 git ls-files -co --exclude-standard -z | sort -z \
