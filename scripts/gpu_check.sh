@@ -24,8 +24,14 @@
 # In that order, most valuable rows first: each step runs for at most its own limit and what is left of SECONDS
 # (default 540), so the later ones are cut or skipped once the budget is spent; a failing step does not stop the
 # later ones, and a step cut short keeps its rows (run.py appends on SIGTERM; the training rows come from the
-# log steps the run wrote). STEPS=name,name,... runs only those (also `quickstart`: the digits quick start,
-# not in the default list). Rows (long format, benchmarks/run.py's fields) go to OUT_DIR/rows.jsonl, logs
+# log steps the run wrote). STEPS=name,name,... runs only those, also two steps not in the default list:
+#   quickstart     the digits quick start's training command (report and sample grid to OUT_DIR)
+#   reproduce      issue 31's 64-token study on the GPU (bf16): VQ-LCMD against MaskGIT, seeds 0-2, REPRO_STEPS
+#                  (default 4000) steps evaluated every 500 and stopped 3 evaluations after the FID at omega = 0
+#                  last improved, six runs at once; each evaluation reaches OUT_DIR/reproduce64/results.jsonl as
+#                  it is made, and the tables and plots are written from them afterwards, also when the step's
+#                  limit (REPRO_LIMIT, default 480 s) cut it short. Carry .cache/digits to reuse the tokenizer.
+# Rows (long format, benchmarks/run.py's fields) go to OUT_DIR/rows.jsonl, logs
 # to OUT_DIR/<step>.log; every row's `commit` is .whl/tree.txt's (git describe, plus the manifest's hash for
 # a dirty tree) when the tree here matches .whl/tree.sha256, and says so when it does not.
 # DRY_RUN=1 runs the same steps on CPU at tiny sizes (the `tiny` preset, batches 4/8/16, 8 steps, no
@@ -67,7 +73,7 @@ export VQLCMD_COMMIT
 step() {  # step NAME LIMIT_SECONDS COMMAND...: runs COMMAND for at most LIMIT (or what is left), logs it
   local name=$1 limit=$2; shift 2
   if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return 1; fi
-  if [ -z "${STEPS:-}" ] && [ "$name" = quickstart ]; then return 1; fi
+  if [ -z "${STEPS:-}" ] && { [ "$name" = quickstart ] || [ "$name" = reproduce ]; }; then return 1; fi
   local left=$(( deadline - $(date +%s) - 5 ))
   (( left < limit )) && limit=$left
   if (( limit < 10 )); then echo "=== $name: skipped, no time left"; return 1; fi
@@ -156,6 +162,19 @@ if step quickstart 300 "${launcher[@]}" --config ds_digits.json --evaluate --no-
     --set train.output_dir="$qs_dir"; then
   cp "$qs_dir/report.json" "$out/quickstart-report.json" 2>/dev/null
   cp "$qs_dir/samples/final.png" "$out/quickstart-samples.png" 2>/dev/null
+fi
+if [ "$dry" = 1 ]; then
+  repro=(--quick --digits-size 32 --tokenizer-steps 20 --seeds 0 --jobs 2 --eval-every 1 --no-few-steps)
+else
+  repro=(--digits-size 32 --tokenizer-steps 400 --seeds 0 1 2 --steps "${REPRO_STEPS:-4000}" --batch 64 --ns-shift 0
+         --per-class 20 --eval-every 500 --patience 3 --jobs 6)
+fi
+if step reproduce "${REPRO_LIMIT:-480}" "$py" scripts/reproduce.py --out "$out/reproduce64" --rows vqlcmd maskgit \
+    "${repro[@]}"; then
+  timeout 60 "$py" scripts/reproduce.py --out "$out/reproduce64" --rows vqlcmd maskgit "${repro[@]}" --report-only \
+    >"$out/reproduce-report.log" 2>&1
+  echo "=== reproduce report: exit $?"; tail -n "${TAIL_LINES:-20}" "$out/reproduce-report.log"
+  rm -rf "$out/reproduce64/runs"  # checkpoints: the records, tables and plots are what comes back
 fi
 rm -rf "$runs"
 echo "=== done after $(( $(date +%s) - start ))s, $(( deadline - $(date +%s) ))s of the budget left; rows: $out/rows.jsonl"

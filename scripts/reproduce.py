@@ -118,13 +118,20 @@ def read_records(path: Path) -> list[dict]:
 
 
 def append_records(path: Path, records: list[dict]) -> None:
-    """One write of whole lines, flushed to disk: a kill leaves at most one cut-short last line."""
+    """One write of whole lines, flushed to disk: a kill leaves at most one cut-short last line. One
+    ``os.write`` on an O_APPEND descriptor (a buffered file splits a long text into several writes), so the
+    --jobs workers appending beside each other never interleave their lines."""
     if not records:
         return
-    with open(path, "a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in records))
-        f.flush()
-        os.fsync(f.fileno())
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        if written != len(data):  # (a full disk): the rest, as read_records drops a cut-short last line
+            raise OSError(f"{path}: only {written} of {len(data)} bytes appended")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _budget(args) -> tuple:
@@ -402,10 +409,21 @@ def _exit_with_parent(poll_seconds: float = 2.0) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+def run_streamed(row: str, seed: int, args, records: list[dict], done: set, log) -> list[dict]:
+    """run_one for a --jobs worker: it appends each evaluation step's records to results.jsonl as they are
+    made, and the sweep does not append them again. A sweep cut off by a time limit (a lent GPU's) kept
+    nothing of the runs in progress when only finished runs were written."""
+    new = []
+    for segment in run_segments(row, seed, args, records, done, log):
+        append_records(args.out / "results.jsonl", segment)
+        new += segment
+    return new
+
+
 def _worker(row: str, seed: int, args, records: list[dict], done: set) -> list[dict]:
     _exit_with_parent()
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.jobs))
-    return run_one(row, seed, args, records, done, lambda msg: print(msg, flush=True))
+    return run_streamed(row, seed, args, records, done, lambda msg: print(msg, flush=True))
 
 
 def _run_jobs(jobs, args, records: list[dict], done: set, log, failed: list):
@@ -794,11 +812,14 @@ def main(argv=None) -> int:
     jobs = pending
     failed = []
     for new in _run_jobs(jobs, args, records, done, log, failed):
-        append_records(results, new)
+        if args.jobs <= 1:  # (the --jobs workers wrote theirs: run_streamed)
+            append_records(results, new)
         records += new
         done.update(_record_key(r) for r in new)
         if args.eval_every:  # the report as the curves grow: a long run killed at a deadline has it
             write_report(records, args, log=None)
+    if args.jobs > 1 and jobs:  # a failed worker's evaluations before it failed are on file too
+        records = read_records(results)
     write_report(records, args, log=print)
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(f'{r} seed {s}' for r, s in failed)} (see above); the "

@@ -48,6 +48,25 @@ def test_the_dry_run_runs_every_step_and_writes_rows_naming_the_tree(tmp_path):
     assert " skipped" in tests and " failed" not in tests and " error" not in tests
 
 
+@pytest.mark.slow
+def test_the_dry_run_of_the_study_step_keeps_its_records_tables_and_plots(tmp_path):
+    """STEPS=reproduce (issue 31's 64-token study, not in the default list): both rows, evaluated at each step,
+    the records on file with their report beside them, and the runs' checkpoints not sent back."""
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "600"],
+                          env=_env(STEPS="reproduce"), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "=== reproduce: exit 0" in done.stdout and "=== reproduce report: exit 0" in done.stdout, done.stdout[-3000:]
+    assert "=== train-32" not in done.stdout  # only the step named
+    study = out / "reproduce64"
+    records = [json.loads(line) for line in (study / "results.jsonl").read_text().splitlines()]
+    assert {(r["row"], r["train_step"]) for r in records if r["kind"] == "curve"} == {
+        (row, s) for row in ("vqlcmd", "maskgit") for s in (1, 2)}
+    assert "Learning curve" in (study / "tables.md").read_text()
+    assert (study / "curves_steps.png").stat().st_size > 1000
+    assert not (study / "runs").exists()
+
+
 def test_a_failed_run_leaves_a_failed_row_naming_its_error(tmp_path):
     """benchmarks/train_rows.py on a run that died before its second log step: one failed summary row whose
     reason is the log's last error line, rows for the intervals it did log."""

@@ -319,6 +319,51 @@ def test_reproduce_workers_end_with_a_killed_sweep(tiny_config, tmp_path):
                 pass
 
 
+def _whole_records(path: Path) -> list[dict]:
+    """The records on file so far (a line being written, or cut by a kill, is left out)."""
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records
+
+
+def test_parallel_workers_write_each_evaluation_as_it_is_made(tiny_config, tmp_path):
+    """A --jobs sweep with --eval-every cut off mid-run (a lent GPU's time limit) keeps the evaluations its
+    workers had made: they used to reach results.jsonl only when a whole run finished."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "repro"
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--config", str(tiny_config()), "--out", str(out),
+           "--rows", "vqlcmd", "maskgit", "--seeds", "0", "--steps", "1000000", "--eval-every", "2", "--jobs", "2",
+           "--threads", "1", "--no-few-steps", "--per-class", "1", "--batch", "4"]
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = out / "results.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            rows = {r["row"] for r in _whole_records(results)}
+            if rows == {"vqlcmd", "maskgit"}:
+                break
+            assert sweep.poll() is None and time.monotonic() < deadline, f"no records of running workers: {rows}"
+            time.sleep(0.5)
+    finally:
+        for pid in [*_children(sweep.pid), sweep.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    records = _whole_records(results)
+    made = {(r["row"], r["train_step"], r["kind"]) for r in records}
+    assert made >= {("vqlcmd", 2, "curve"), ("maskgit", 2, "curve")}
+    keys = [(r["row"], r["train_step"], r["guidance"], r["sample_steps"]) for r in records]
+    assert len(keys) == len(set(keys)), "a record written twice"
+
+
 def test_records_name_the_tokenizer_they_were_made_with(tiny_config, tmp_path):
     """--digits-size prepares (or reuses) a tokenizer whose training is not bit-reproducible across machines
     and thread counts; each record says which one it was by its PSNR and codes used, as prepare_digits
