@@ -335,7 +335,10 @@ def _train_to(step: int, ds: dict, cfg, run_dir: Path, args):
 def run_segments(row: str, seed: int, args, records: list[dict], done: set, log):
     """Train one row x seed and evaluate it, yielding each eval step's new records as they are made: it trains
     (resuming) only up to the next step whose evaluations results.jsonl lacks, evaluates there, and goes on;
-    with --patience it ends where the FID at ω = 0 stopped improving, evaluated there as at the budget's end."""
+    with --patience it ends where the FID at ω = 0 stopped improving, evaluated there as at the budget's end.
+    Each eval step's records are appended to results.jsonl before they are yielded, in whichever process
+    runs them (a --jobs worker too): a sweep cut off by a time limit (a lent GPU's) keeps every evaluation
+    made, where the workers' used to reach the file only when their whole run finished."""
     mine = [r for r in records if r["row"] == row and r["seed"] == seed and _record_budget(r) == _budget(args)]
     done = set(done)
     ds, cfg, run_dir = row_config(row, seed, args)
@@ -381,6 +384,7 @@ def run_segments(row: str, seed: int, args, records: list[dict], done: set, log)
             mine += new[-len(todo):]
             done.update(_record_key(r) for r in new)
         if new:
+            append_records(args.out / "results.jsonl", new)
             yield new
         if converged_at(row, seed, args, mine) == s:
             log(f"{row} seed {seed}: FID at ω = {_fid_guidance(args):g} not improved for {args.patience} "
@@ -409,21 +413,10 @@ def _exit_with_parent(poll_seconds: float = 2.0) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def run_streamed(row: str, seed: int, args, records: list[dict], done: set, log) -> list[dict]:
-    """run_one for a --jobs worker: it appends each evaluation step's records to results.jsonl as they are
-    made, and the sweep does not append them again. A sweep cut off by a time limit (a lent GPU's) kept
-    nothing of the runs in progress when only finished runs were written."""
-    new = []
-    for segment in run_segments(row, seed, args, records, done, log):
-        append_records(args.out / "results.jsonl", segment)
-        new += segment
-    return new
-
-
 def _worker(row: str, seed: int, args, records: list[dict], done: set) -> list[dict]:
     _exit_with_parent()
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.jobs))
-    return run_streamed(row, seed, args, records, done, lambda msg: print(msg, flush=True))
+    return run_one(row, seed, args, records, done, lambda msg: print(msg, flush=True))
 
 
 def _run_jobs(jobs, args, records: list[dict], done: set, log, failed: list):
@@ -811,14 +804,12 @@ def main(argv=None) -> int:
         log(f"{len(jobs) - len(pending)} of {len(jobs)} runs already in {results}: not rerun")
     jobs = pending
     failed = []
-    for new in _run_jobs(jobs, args, records, done, log, failed):
-        if args.jobs <= 1:  # (the --jobs workers wrote theirs: run_streamed)
-            append_records(results, new)
+    for new in _run_jobs(jobs, args, records, done, log, failed):  # (on file already: run_segments)
         records += new
         done.update(_record_key(r) for r in new)
         if args.eval_every:  # the report as the curves grow: a long run killed at a deadline has it
             write_report(records, args, log=None)
-    if args.jobs > 1 and jobs:  # a failed worker's evaluations before it failed are on file too
+    if failed:  # a failed run's evaluations before it failed are on file too
         records = read_records(results)
     write_report(records, args, log=print)
     if failed:
