@@ -683,8 +683,11 @@ def write_report(records: list[dict], args, log) -> None:
     for r in cur:
         key = (r["row"], r["seed"])
         train_s[key] = max(train_s.get(key, 0.0), r.get("train_seconds") or 0.0)
+    # the seeds the tables average: every seed on file for this budget, not only this call's --seeds (a sweep
+    # that adds seed 1 to seed 0's records reports both)
+    seeds = sorted({r["seed"] for r in cur})
     header = (f"Budget: {args.steps} training steps x batch {args.batch} per run in "
-              f"{'bf16' if args.bf16 else 'fp32'}, seeds {args.seeds}, "
+              f"{'bf16' if args.bf16 else 'fp32'}, seeds {seeds}, "
               f"{args.per_class} samples per class per evaluation, guidance ω = {base.sample.guidance_scale}, "
               f"VQ-LCMD shift {args.ns_shift}; base config {args.config}, preset {base.model.preset}"
               f"{' with ' + json.dumps(args.model_overrides) if args.model_overrides else ''}"

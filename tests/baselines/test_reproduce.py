@@ -383,3 +383,18 @@ def test_records_name_the_tokenizer_they_were_made_with(tiny_config, tmp_path):
     for r in records:
         assert r["tokenizer"] == {"psnr": round(float(info["psnr"]), 2), "codes_used": int(info["codebook_usage"])}
         assert r["commit"]
+
+
+def test_the_report_header_names_the_seeds_its_tables_average(tmp_path):
+    """The tables average every seed on file for the budget; the header named only the call's --seeds, so a
+    sweep adding seed 1 to seed 0's records said "seeds [1]" above two-seed means."""
+    mod = _module()
+    args = _args(mod, ("steps", 8), ("seeds", [1]), ("curve_guidance", [0.0]), ("out", tmp_path))
+    (tmp_path / "real_reference_16px.json").write_text(json.dumps(dict(fid=0.1, precision=0.9, recall=0.9,
+                                                                         num_samples=899)))
+    recs = [dict(_curve_record(seed, 2, 1.0 + seed), setup=args.setup, image_size=16, sample_seconds=1.0)
+            for seed in (0, 1)]
+    mod.write_report(recs, args, log=None)
+    text = (tmp_path / "tables.md").read_text()
+    assert "seeds [0, 1]," in text.splitlines()[0]
+    assert "| 2 | 2 | 20 ± 0 | 1.50 ± 0.71 |" in text  # both seeds in the curve table below it
