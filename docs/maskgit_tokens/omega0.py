@@ -1,0 +1,18 @@
+"""How docs/maskgit_tokens/*/omega0.jsonl were made: a MaskGIT pipeline sampled unguided (omega = 0) at 1, 2 and 8
+steps with scripts/reproduce.py's own evaluate(), 20 samples per class, sampling seed 0 (as the study's records).
+
+    python docs/maskgit_tokens/omega0.py docs/maskgit_tokens/t64/runs/maskgit/<run>/pipeline docs/maskgit_tokens/t64/omega0.jsonl
+"""
+import json, sys, argparse, torch
+sys.path.insert(0, "scripts")  # run from the repository root
+from reproduce import evaluate
+from vqlcmd.pipeline import VQLCMDPipeline
+torch.set_num_threads(1)
+folder, out = sys.argv[1], sys.argv[2]
+pipe = VQLCMDPipeline.from_pretrained(folder)
+args = argparse.Namespace(per_class=20, eval_batch=None)
+for steps in (1, 2, 8):
+    r = evaluate(pipe, "maskgit", steps, "maskgit", 0, args, 0.0)
+    r.update(pipeline=folder, sample_steps=steps, guidance=0.0)
+    print(json.dumps(r), flush=True)
+    open(out, "a").write(json.dumps(r) + "\n")
