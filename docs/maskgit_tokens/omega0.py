@@ -3,9 +3,15 @@ steps with scripts/reproduce.py's own evaluate(), 20 samples per class, sampling
 
     python docs/maskgit_tokens/omega0.py docs/maskgit_tokens/t64/runs/maskgit/<run>/pipeline docs/maskgit_tokens/t64/omega0.jsonl
 """
-import json, sys, argparse, torch
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
 sys.path.insert(0, "scripts")  # run from the repository root
-from reproduce import evaluate
+from reproduce import append_records, evaluate
 from vqlcmd.pipeline import VQLCMDPipeline
 torch.set_num_threads(1)
 folder, out = sys.argv[1], sys.argv[2]
@@ -15,4 +21,4 @@ for steps in (1, 2, 8):
     r = evaluate(pipe, "maskgit", steps, "maskgit", 0, args, 0.0)
     r.update(pipeline=folder, sample_steps=steps, guidance=0.0)
     print(json.dumps(r), flush=True)
-    open(out, "a").write(json.dumps(r) + "\n")
+    append_records(Path(out), [r])  # the study's own appender: one whole line per write, flushed
