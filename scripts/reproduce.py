@@ -496,12 +496,24 @@ def _run_jobs(jobs, args, records: list[dict], done: set, log, failed: list):
 
 
 def _current(records: list[dict], args) -> list[dict]:
-    """The records of this budget and setup, the last one of each key (a repeated seed was counted twice)."""
+    """The records of this budget and setup, the last one of each key (a repeated seed was counted twice), and
+    of a run's final evaluations (main, few steps) only those at its last evaluated step: a run stopped by
+    --patience and then trained on (a rerun with more patience, or none) has final evaluations at both steps,
+    and the tables counted that seed twice, once at the step where it had stopped."""
     kept = {}
     for r in records:
         if _record_budget(r) == _budget(args) and _same_setup(r, args.setup):
             kept[_record_key(r)] = r
-    return list(kept.values())
+    cur = list(kept.values())
+    last = {}
+    for r in cur:
+        if r["kind"] != "curve":
+            last[r["row"], r["seed"]] = max(last.get((r["row"], r["seed"]), 0), _train_step(r))
+    return [r for r in cur if r["kind"] == "curve" or _train_step(r) == last[r["row"], r["seed"]]]
+
+
+def _train_step(r: dict) -> int:
+    return r.get("train_step", r["train_steps"])  # records before the train_step field: their run's end
 
 
 def _finite(values) -> list:

@@ -398,3 +398,28 @@ def test_the_report_header_names_the_seeds_its_tables_average(tmp_path):
     text = (tmp_path / "tables.md").read_text()
     assert "seeds [0, 1]," in text.splitlines()[0]
     assert "| 2 | 2 | 20 ± 0 | 1.50 ± 0.71 |" in text  # both seeds in the curve table below it
+
+
+def test_a_run_trained_on_after_it_stopped_counts_once_at_its_last_step(tmp_path):
+    """MaskGIT's seed 2 of the bf16 study stopped at step 3000 under --patience 3 (a noisy FID) and was then
+    trained on to 4000 with --patience 0: the Baselines table counted that seed twice (4 seeds of 3) and the
+    few-step table averaged its step-3000 and step-4000 samples."""
+    mod = _module()
+    args = _args(mod, ("steps", 8), ("out", tmp_path))
+    args.image_size = 16
+    (tmp_path / "real_reference_16px.json").write_text(json.dumps(dict(fid=0.1, precision=0.9, recall=0.9,
+                                                                         num_samples=899)))
+    base = dict(row="maskgit", train_steps=8, batch=64, bf16=False, sample_steps=8, sampler="maskgit",
+                setup=args.setup, guidance=args.guidance, precision=0.9, recall=0.9, accuracy=1.0, spread_ratio=0.8)
+    recs = [dict(base, seed=0, kind="main", train_step=8, fid=1.0),
+            dict(base, seed=1, kind="main", train_step=6, fid=9.0),  # stopped at 6 ...
+            dict(base, seed=1, kind="few_steps", train_step=6, sample_steps=2, fid=9.0),
+            dict(base, seed=1, kind="curve", train_step=6, fid=9.0),
+            dict(base, seed=1, kind="main", train_step=8, fid=3.0),  # ... then trained on to 8
+            dict(base, seed=1, kind="few_steps", train_step=8, sample_steps=2, fid=5.0)]
+    cur = mod._current(recs, args)
+    assert sorted((r["seed"], r["kind"], r["train_step"]) for r in cur) == [
+        (0, "main", 8), (1, "curve", 6), (1, "few_steps", 8), (1, "main", 8)]  # its curve keeps step 6
+    table = mod.write_tables(recs, args, "h")
+    assert "| MaskGIT | 2 | maskgit 8 | 2.00 ± 1.41 |" in table
+    assert "At training step 8 (" in table and "| MaskGIT fid | 5.00 |" in table
