@@ -1,4 +1,4 @@
-"""How docs/reproduce64_bf16/paper_steps.jsonl was made: the study's final pipelines sampled unguided (omega = 0)
+"""How paper_steps.jsonl in docs/reproduce64_bf16, _8000 and _dropout were made: a study's final pipelines sampled unguided (omega = 0)
 at more sampling steps than the learning curves use. The paper compares its unconditional models with "200
 steps for inference" for every method; the study's curves use 50 (VQ-LCMD) and 8 (MaskGIT). MaskGIT commits at
 least one of the 64 tokens per step, so 64 is its most. Sampled with scripts/reproduce.py's own evaluate() and
