@@ -324,9 +324,9 @@ def _train_to(step: int, ds: dict, cfg, run_dir: Path, args):
         except TrainingInterrupted:  # SIGTERM (a timeout): its checkpoint's training time is kept as well
             if base is not None:
                 atomic_write_text(clock, json.dumps({"step": trainer.step,
-                                                     "seconds": round(base + time.perf_counter() - t0, 1)}))
+                                                     "seconds": round(base + time.perf_counter() - t0, 3)}))
             raise
-    seconds = None if base is None else round(base + time.perf_counter() - t0, 1)
+    seconds = None if base is None else round(base + time.perf_counter() - t0, 3)
     if seconds is not None:
         atomic_write_text(clock, json.dumps({"step": trainer.step, "seconds": seconds}))
     return trainer, seconds, {k: v for k, v in (history[-1] if history else {}).items() if k != "step"}
