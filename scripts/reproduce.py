@@ -160,10 +160,14 @@ def setup_id(args) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _record_key(r: dict) -> tuple:
+def _train_step(r: dict) -> int:
     # records before the train_step field were made at the end of their run
+    return r.get("train_step", r["train_steps"])
+
+
+def _record_key(r: dict) -> tuple:
     return (r["row"], r["seed"], *_record_budget(r), r["kind"], r["sample_steps"], r["sampler"],
-            r.get("train_step", r["train_steps"]), r.get("guidance"))
+            _train_step(r), r.get("guidance"))
 
 
 def _same_setup(r: dict, setup: str) -> bool:
@@ -512,10 +516,6 @@ def _current(records: list[dict], args) -> list[dict]:
     return [r for r in cur if r["kind"] == "curve" or _train_step(r) == last[r["row"], r["seed"]]]
 
 
-def _train_step(r: dict) -> int:
-    return r.get("train_step", r["train_steps"])  # records before the train_step field: their run's end
-
-
 def _finite(values) -> list:
     return [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
 
@@ -552,7 +552,7 @@ def write_tables(records: list[dict], args, header: str) -> str:
     few = [r for r in records if r["kind"] == "few_steps"]
     if few:
         steps = sorted({r["sample_steps"] for r in few})
-        at = sorted({r.get("train_step", r["train_steps"]) for r in few})
+        at = sorted({_train_step(r) for r in few})
         lines += ["### Few sampling steps (cf. paper Table \"maskgit:imagenet\"): FID ↓ / accuracy ↑", "",
                   f"At training step {', '.join(map(str, at))} (the budget's end, or where a run converged).", "",
                   "| method | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---|" * len(steps)]

@@ -10,14 +10,13 @@ samples of the study's evaluations: an FID from 200 samples moves by ~0.1 from o
 """
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, "scripts")  # run from the repository root
-from reproduce import append_records, evaluate, read_records
+from reproduce import _fmt, append_records, evaluate, read_records  # _fmt: the study tables' mean ± std
 from vqlcmd.pipeline import VQLCMDPipeline
 
 SETTINGS = {"vqlcmd": [("ancestral", 50), ("ancestral", 200), ("ddim", 50), ("ddim", 200)],
@@ -54,12 +53,7 @@ print("|---|---|---:|---:|---|---|---|---|---|")
 for row, settings in SETTINGS.items():
     for sampler, steps in settings:
         rs = [r for r in records if (r["row"], r["sampler"], r["sample_steps"]) == (row, sampler, steps)]
-        if not rs:
-            continue
-
-        def cell(key, digits=2):
-            v = [r[key] for r in rs]
-            sd = statistics.stdev(v) if len(v) > 1 else 0.0
-            return f"{statistics.mean(v):.{digits}f} ± {sd:.{digits}f}"
-        print(f"| {row} | {sampler} | {steps} | {len(rs)} | {cell('fid')} | {cell('precision')} | {cell('recall')} "
-              f"| {cell('accuracy', 3)} | {cell('spread_ratio')} |")
+        if rs:
+            cells = [_fmt([r[k] for r in rs], d) for k, d in
+                     (("fid", 2), ("precision", 2), ("recall", 2), ("accuracy", 3), ("spread_ratio", 2))]
+            print(f"| {row} | {sampler} | {steps} | {len(rs)} | " + " | ".join(cells) + " |")
