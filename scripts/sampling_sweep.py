@@ -7,7 +7,7 @@ For each (sampler, sampling steps, guidance ω, final draw) it draws --per-class
 same generator seed and scores them with the project's digits metrics (vqlcmd.metrics.digits: the
 independent SVC's accuracy, within-class spread relative to the real digits', feature-space FID and k-NN
 precision/recall). One JSON line per setting in --out; settings already there (for this pipeline's training
-step and this --per-class) are not sampled again, so an interrupted sweep continues. Prints a Markdown table
+step, this --per-class and this --seed) are not sampled again, so an interrupted sweep continues. Prints a Markdown table
 of every setting in --out, with the quick start's goals (accuracy >= 0.98, spread >= 0.70, recall >= 0.5)
 marked. VQ-LCMD pipelines only (MaskGIT's sampler has neither the sampler nor the final-draw choice).
 """
@@ -32,8 +32,9 @@ GOALS = {"accuracy": 0.98, "spread_ratio": 0.70, "recall": 0.5}  # issue 31 (c):
 
 
 def _key(r: dict) -> tuple:
-    return (r["train_step"], r["per_class"], r["sampler"], r["sample_steps"], r["guidance"], r["final"],
-            _interval(r))
+    # the seed is part of a setting: a second sampling seed in the same --out is a new draw, not a repeat
+    return (r["train_step"], r.get("seed", 0), r["per_class"], r["sampler"], r["sample_steps"], r["guidance"],
+            r["final"], _interval(r))
 
 
 def _guided_t(interval) -> str:
@@ -45,11 +46,12 @@ def _interval(r: dict) -> tuple[float, float]:
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| step | sampler | steps | ω | guided t | final | accuracy | spread | recall | precision | FID | goals |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| step | seed | sampler | steps | ω | guided t | final | accuracy | spread | recall | precision | FID "
+             "| goals |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=_key):
         met = all(r[k] >= v for k, v in GOALS.items())
-        lines.append(f"| {r['train_step']} | {r['sampler']} | {r['sample_steps']} | {r['guidance']:g} "
+        lines.append(f"| {r['train_step']} | {r.get('seed', 0)} | {r['sampler']} | {r['sample_steps']} | {r['guidance']:g} "
                      f"| {_guided_t(_interval(r))} | {r['final']} "
                      f"| {r['accuracy']:.3f} | {r['spread_ratio']:.2f} | {r['recall']:.2f} | {r['precision']:.2f} "
                      f"| {r['fid']:.2f} | {'all met' if met else '–'} |")

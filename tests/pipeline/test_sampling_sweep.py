@@ -46,3 +46,31 @@ def test_sweep_scores_each_setting_once_and_continues(tiny_pipeline, tmp_path, l
                          guidance_interval=(0.5, 1.0))
     assert torch.equal(scored[6], want) and not torch.equal(scored[6], scored[2])
     assert "| ddim | 2 | 2 | 0.5-1 | sample |" in out.with_suffix(".md").read_text()
+
+
+def test_a_second_sampling_seed_in_the_same_file_is_sampled_not_skipped(tiny_pipeline, tmp_path, load_script,
+                                                                      monkeypatch):
+    sweep = load_script("sampling_sweep")
+    folder = tmp_path / "pipe"
+    tiny_pipeline.save_pretrained(folder)
+    scored = []
+
+    def fake_metrics(images, labels):
+        scored.append(images.clone())
+        return {"num_samples": len(images), "accuracy": 0.99, "spread_ratio": float(images.mean()), "fid": 1.0,
+                "precision": 0.5, "recall": 0.6}
+
+    monkeypatch.setattr("vqlcmd.metrics.digits.evaluate_digit_samples", fake_metrics)
+    out = tmp_path / "sweep.jsonl"
+    argv = [str(folder), "--out", str(out), "--steps", "2", "--guidance", "0", "--finals", "sample",
+            "--samplers", "ddim", "--per-class", "2"]
+    assert sweep.main(argv + ["--seed", "0"]) == 0
+    assert sweep.main(argv + ["--seed", "1"]) == 0
+    assert sweep.main(argv + ["--seed", "1"]) == 0  # a rerun of seed 1 is a repeat: skipped
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["seed"] for r in recs] == [0, 1]
+    want = tiny_pipeline(torch.arange(4).repeat_interleave(2), num_steps=2, guidance_scale=0.0, sampler="ddim",
+                         final="sample", output_type="pt", generator=torch.Generator().manual_seed(1))
+    assert len(scored) == 2 and torch.equal(scored[1], want) and not torch.equal(scored[0], scored[1])
+    table = out.with_suffix(".md").read_text()
+    assert "| seed |" in table.splitlines()[0] and len(table.strip().splitlines()) == 4  # header, rule, two rows
