@@ -7,8 +7,8 @@ For each (sampler, sampling steps, guidance ω, final draw) it draws --per-class
 same generator seed and scores them with the project's digits metrics (vqlcmd.metrics.digits: the
 independent SVC's accuracy, within-class spread relative to the real digits', feature-space FID and k-NN
 precision/recall). One JSON line per setting in --out; settings already there (for this pipeline's training
-step, this --per-class and this --seed) are not sampled again, so an interrupted sweep continues. Prints a Markdown table
-of every setting in --out, with the quick start's goals (accuracy >= 0.98, spread >= 0.70, recall >= 0.5)
+step, this --per-class and this --seed) are not sampled again, so an interrupted sweep continues. Prints a
+Markdown table of every setting in --out, with the quick start's goals (accuracy >= 0.98, spread >= 0.70, recall >= 0.5)
 marked. VQ-LCMD pipelines only (MaskGIT's sampler has neither the sampler nor the final-draw choice).
 """
 from __future__ import annotations
@@ -33,12 +33,16 @@ GOALS = {"accuracy": 0.98, "spread_ratio": 0.70, "recall": 0.5}  # issue 31 (c):
 
 def _key(r: dict) -> tuple:
     # the seed is part of a setting: a second sampling seed in the same --out is a new draw, not a repeat
-    return (r["train_step"], r.get("seed", 0), r["per_class"], r["sampler"], r["sample_steps"], r["guidance"],
-            r["final"], _interval(r))
+    return (r["train_step"], _seed(r), r["per_class"], r["sampler"], r["sample_steps"], r["guidance"], r["final"],
+            _interval(r))
 
 
 def _guided_t(interval) -> str:
     return "all" if tuple(interval) == EVERY_T else "{:g}-{:g}".format(*interval)
+
+
+def _seed(r: dict) -> int:
+    return r.get("seed", 0)  # the generator seed's default, for a record written without one
 
 
 def _interval(r: dict) -> tuple[float, float]:
@@ -51,8 +55,8 @@ def table(records: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=_key):
         met = all(r[k] >= v for k, v in GOALS.items())
-        lines.append(f"| {r['train_step']} | {r.get('seed', 0)} | {r['sampler']} | {r['sample_steps']} | {r['guidance']:g} "
-                     f"| {_guided_t(_interval(r))} | {r['final']} "
+        lines.append(f"| {r['train_step']} | {_seed(r)} | {r['sampler']} | {r['sample_steps']} "
+                     f"| {r['guidance']:g} | {_guided_t(_interval(r))} | {r['final']} "
                      f"| {r['accuracy']:.3f} | {r['spread_ratio']:.2f} | {r['recall']:.2f} | {r['precision']:.2f} "
                      f"| {r['fid']:.2f} | {'all met' if met else '–'} |")
     return "\n".join(lines)

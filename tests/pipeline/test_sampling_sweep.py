@@ -1,11 +1,13 @@
 """scripts/sampling_sweep.py: every setting scored once, with the pipeline's own sampler under those settings."""
 import json
 
+import pytest
 import torch
 
 
-def test_sweep_scores_each_setting_once_and_continues(tiny_pipeline, tmp_path, load_script, monkeypatch):
-    sweep = load_script("sampling_sweep")
+@pytest.fixture
+def sweep_setup(tiny_pipeline, tmp_path, load_script, monkeypatch):
+    """The script, a saved tiny pipeline's folder, and the images each scored setting drew, in order."""
     folder = tmp_path / "pipe"
     tiny_pipeline.save_pretrained(folder)
     scored = []
@@ -16,6 +18,11 @@ def test_sweep_scores_each_setting_once_and_continues(tiny_pipeline, tmp_path, l
                 "precision": 0.5, "recall": 0.6}
 
     monkeypatch.setattr("vqlcmd.metrics.digits.evaluate_digit_samples", fake_metrics)
+    return load_script("sampling_sweep"), folder, scored
+
+
+def test_sweep_scores_each_setting_once_and_continues(tiny_pipeline, tmp_path, sweep_setup):
+    sweep, folder, scored = sweep_setup
     out = tmp_path / "sweep.jsonl"
     argv = [str(folder), "--out", str(out), "--steps", "2", "--guidance", "0", "2", "--finals", "sample", "argmax",
             "--samplers", "ddim", "--per-class", "2"]
@@ -48,19 +55,8 @@ def test_sweep_scores_each_setting_once_and_continues(tiny_pipeline, tmp_path, l
     assert "| ddim | 2 | 2 | 0.5-1 | sample |" in out.with_suffix(".md").read_text()
 
 
-def test_a_second_sampling_seed_in_the_same_file_is_sampled_not_skipped(tiny_pipeline, tmp_path, load_script,
-                                                                      monkeypatch):
-    sweep = load_script("sampling_sweep")
-    folder = tmp_path / "pipe"
-    tiny_pipeline.save_pretrained(folder)
-    scored = []
-
-    def fake_metrics(images, labels):
-        scored.append(images.clone())
-        return {"num_samples": len(images), "accuracy": 0.99, "spread_ratio": float(images.mean()), "fid": 1.0,
-                "precision": 0.5, "recall": 0.6}
-
-    monkeypatch.setattr("vqlcmd.metrics.digits.evaluate_digit_samples", fake_metrics)
+def test_a_second_sampling_seed_in_the_same_file_is_sampled_not_skipped(tiny_pipeline, tmp_path, sweep_setup):
+    sweep, folder, scored = sweep_setup
     out = tmp_path / "sweep.jsonl"
     argv = [str(folder), "--out", str(out), "--steps", "2", "--guidance", "0", "--finals", "sample",
             "--samplers", "ddim", "--per-class", "2"]
