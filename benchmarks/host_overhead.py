@@ -97,11 +97,11 @@ def _write_shards(folder: Path, cfg, images: int) -> None:
 
 
 class Phases:
-    """Host seconds per phase, by wrapping the calls ``fast.train_step`` makes (instance attributes of the
+    """Host seconds per phase, by wrapping the calls ``engine.step.TrainStep`` makes (instance attributes of the
     DeepSpeed engine, the module-level ``update_emas`` and the batch iterator)."""
 
     def __init__(self, tr):
-        from vqlcmd.engine import fast
+        from vqlcmd.engine import step as fast
 
         self.seconds = collections.Counter()
         self.cpu_seconds = collections.Counter()  # this thread's CPU time: less swayed by other jobs' load
@@ -208,9 +208,7 @@ def sync(device):
 def run_steps(tr, batches, n: int):
     for _ in range(n):
         tr.train_step(batches)
-    from vqlcmd.engine import fast
-
-    fast.flush(tr)  # the deferred reads, as a log step does: the queue drains here
+    tr.stepper.flush()  # the deferred reads, as a log step does: the queue drains here
 
 
 # ops that only make a tensor's metadata (views, allocations): no kernel on a GPU

@@ -57,7 +57,7 @@ def _write_images(folder: Path, s: dict) -> None:
 
 def run(ctx: Context) -> list:
     from vqlcmd.data import OnlineTokenLoader, ShardLoader, TokenShardDataset, image_batches, list_images
-    from vqlcmd.data.images import dali_available
+    from vqlcmd.data.decode import dali_available
     from vqlcmd.tokenizer import VQModelTokenizer, small_vqmodel
 
     out: list = []

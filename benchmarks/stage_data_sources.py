@@ -39,7 +39,7 @@ def _setting(ctx: Context) -> dict:
 
 def run(ctx: Context) -> list:
     from vqlcmd.data import OnlineTokenLoader, ShardLoader, TokenShardDataset, image_batches, list_images
-    from vqlcmd.data.images import dali_available
+    from vqlcmd.data.decode import dali_available
     from vqlcmd.data.writer import write_token_shards
     from vqlcmd.tokenizer import VQModelTokenizer, small_vqmodel
 

@@ -7,6 +7,7 @@ from .model import Denoiser, DenoiserConfig, build_denoiser, preset_config
 from .network import VQLCMDNetwork
 from .pipeline import VQLCMDPipeline
 from .baselines import MaskGITPipeline  # noqa: E402  (imports .pipeline)
+from . import methods  # noqa: E402,F401  (registers every method and its pipeline class)
 from .samplers import sample_tokens
 from .schedule import ShiftedCosineSchedule
 

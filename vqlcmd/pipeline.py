@@ -39,6 +39,15 @@ FAST_MODES = ("compile", "cudagraphs")
 DECODE_BATCH = 16
 
 
+# method name -> the pipeline class that samples it, filled by vqlcmd.methods as each method registers (here,
+# not looked up in vqlcmd.methods, whose methods import this module)
+_PIPELINE_CLASSES: dict = {}
+
+
+def register_pipeline_class(method: str, cls: type) -> None:
+    _PIPELINE_CLASSES[method] = cls
+
+
 class VQLCMDPipeline:
     def __init__(self, network: VQLCMDNetwork, schedule: ShiftedCosineSchedule, *, tokenizer=None,
                  tokenizer_ref: Optional[dict] = None, class_names: Optional[Sequence[str]] = None,
@@ -132,13 +141,14 @@ class VQLCMDPipeline:
             raise ValueError(f"{folder / CONFIG}: not a VQ-LCMD pipeline config ({type(exc).__name__}: {exc})") from exc
         # the folder says which sampler its model was trained for: a MaskGIT model (trained on [mask] ids at
         # t = 0) gives noise through the diffusion samplers, and a diffusion model cannot unmask
-        from .baselines.maskgit import MaskGITPipeline
-
-        if config.get("method") == "maskgit":
-            cls = cls if issubclass(cls, MaskGITPipeline) else MaskGITPipeline
-        elif issubclass(cls, MaskGITPipeline):
-            raise ValueError(f"{folder}: a {config.get('method', 'vqlcmd')} pipeline, not a MaskGIT one; load it "
-                             "with VQLCMDPipeline.from_pretrained")
+        method = config.get("method", "vqlcmd")
+        saved_cls = _PIPELINE_CLASSES.get(method, VQLCMDPipeline)
+        if issubclass(saved_cls, cls):
+            cls = saved_cls
+        else:
+            kind = cls.__name__.removesuffix("Pipeline")
+            raise ValueError(f"{folder}: a {method} pipeline, not a {kind} one; load it with "
+                             f"{saved_cls.__name__}.from_pretrained")
         network = VQLCMDNetwork(den_cfg, l2_normalize=l2_normalize)
         try:
             with safe_open(str(folder / WEIGHTS), framework="pt") as f:  # one open: tensors and id of one file

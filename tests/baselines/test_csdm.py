@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from vqlcmd.baselines import CSDM_SWITCHES, METHODS, apply_method, build_network, codebook_from_tokenizer
+from vqlcmd.baselines import CSDM_SWITCHES, codebook_from_tokenizer
+from vqlcmd.methods import METHODS, apply_method, build_network
 from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section
 
 

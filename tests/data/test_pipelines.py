@@ -10,7 +10,8 @@ from PIL import Image
 
 from image_tree import picture as _picture, write_tree
 
-from vqlcmd.data.images import image_batches, list_images
+from vqlcmd.data.decode import image_batches
+from vqlcmd.data.images import list_images
 
 
 @pytest.fixture(scope="module")

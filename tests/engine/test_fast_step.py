@@ -1,11 +1,10 @@
-"""train.fast (vqlcmd/engine/fast.py): the default step's losses and updates, with no host reads inside a step."""
+"""train.fast (vqlcmd/engine/step.py, deferred flushes): the default step's losses and updates, with no host reads inside a step."""
 import contextlib
 import math
 
 import pytest
 import torch
 
-from vqlcmd.engine import fast
 from vqlcmd.engine.config import load_config
 from vqlcmd.engine.trainer import NonFiniteLossError, Trainer
 
@@ -98,7 +97,7 @@ def test_no_tensor_is_read_back_inside_a_fast_step(tmp_path, tiny_shards, make_c
     allowed = []
     tr = _trainer(tmp_path / "fast", tiny_shards, make_config, fast=True, log_every=4)
     monkeypatch.setattr(tr.engine, "step", _allowing(tr.engine.step, allowed))
-    monkeypatch.setattr(fast, "flush", _allowing(fast.flush, allowed))
+    monkeypatch.setattr(tr.stepper, "flush", _allowing(tr.stepper.flush, allowed))
     for name in ("_log_scalars", "save"):
         monkeypatch.setattr(tr, name, _allowing(getattr(tr, name), allowed))
     with _no_reads(monkeypatch, allowed) as caught:

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from vqlcmd.engine.checkpoint import CheckpointManager
 from vqlcmd.engine.config import ConfigError, load_config
 from vqlcmd.engine.trainer import NonFiniteLossError, Trainer
 from vqlcmd.pipeline import VQLCMDPipeline
@@ -205,7 +206,7 @@ def test_a_zero_0_bf16_run_from_before_the_refusal_still_resumes(tmp_path, tiny_
     ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2, checkpoint_every=2)))
     ds = {**ds, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}
     with monkeypatch.context() as m:  # the old code, which accepted it
-        m.setattr(Trainer, "_resumes_zero0_bf16", lambda self: True)
+        m.setattr(CheckpointManager, "resumes_zero0_bf16", lambda self: True)
         Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)
     logs = []
     cfg.train.steps = 3
@@ -351,7 +352,7 @@ def test_a_checkpoint_missing_other_ranks_files_names_the_shared_filesystem(tmp_
     from vqlcmd.engine.checkpoint import CheckpointError
 
     tr = trainer(tmp_path, tiny_shards, steps=1)
-    tr.world = 2  # as if a second rank had written its state on another node's disk
+    tr.world = tr.checkpoints.world = 2  # as if a second rank had written its state on another node's disk
     with pytest.raises(CheckpointError, match=r"lacks the state of rank\(s\) \[1\] .* filesystem that all nodes share"):
         tr.save()
 

@@ -35,14 +35,14 @@ def test_accumulation_feeds_micro_batches_averages_the_terms_and_updates_the_ema
     for shadow in (tr.teacher.module, tr.sampling_ema.module):  # both start at the network's weights
         assert all(torch.equal(a, b) for a, b in zip(_params(shadow), before))
     sizes, per_micro = [], []
-    read = tr._read_terms
+    read = tr.stepper.read_terms
 
-    def recording(out):
-        values = read(out)
+    def recording(out, step):
+        values = read(out, step)
         per_micro.append(values)
         return values
 
-    tr._read_terms = recording
+    tr.stepper.read_terms = recording
 
     def batches():
         for tokens, labels in tr.loader.forever():

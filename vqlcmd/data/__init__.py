@@ -4,7 +4,8 @@ Heavy dependencies (DALI, diffusers, scikit-learn) are imported where used, so t
 ``vqlcmd.data`` stays cheap.
 """
 from .digits import CLASS_NAMES as DIGITS_CLASS_NAMES, default_cache_dir, digits_images, prepare_digits
-from .images import ImageList, image_batches, list_images
+from .decode import image_batches
+from .images import ImageList, list_images
 from .loader import ShardLoader
 from .online import OnlineTokenLoader
 from .shards import ShardError, TokenShardDataset, open_shard, write_shard

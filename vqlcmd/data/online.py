@@ -13,7 +13,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .images import ImageList, image_batches, list_images
+from .decode import image_batches
+from .images import ImageList, list_images
 from .loader import ShardLoader
 from .skipping import PREFETCH as _PREFETCH, record_undecodable, skipping_message, stand_ins
 

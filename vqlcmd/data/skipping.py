@@ -10,7 +10,8 @@ import warnings
 
 import torch
 
-from .images import ImageList, image_batches, unreadable_reason
+from .decode import image_batches
+from .images import ImageList, unreadable_reason
 
 # batches the DALI pipeline decodes ahead of the one it returns: a file failing there may surface a little early
 PREFETCH = 2

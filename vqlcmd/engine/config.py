@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from ..baselines import METHODS, CSDMConfig, MaskGITConfig, apply_method
+from ..baselines import CSDMConfig, MaskGITConfig
 from ..diffusion import LossConfig
 from ..ops import BACKENDS
 from ..samplers import FINALS, SAMPLERS, checked_interval
@@ -166,7 +166,7 @@ class TrainSection:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     compile: bool = False  # torch.compile the denoiser (with fast: the whole loss, student and teacher)
-    # The throughput step (Trainer._train_step_fast): no host reads inside a step (losses checked and logged at
+    # The throughput step (vqlcmd.engine.step): no host reads inside a step (losses checked and logged at
     # log steps, before every checkpoint), both EMAs in one multi-tensor update, the teacher forward on a bf16
     # copy of its fp32 EMA under bf16. Same draws and updates as the default step; see docs/fast_training.md
     fast: bool = False
@@ -288,6 +288,8 @@ def _finite_number(x: Any) -> bool:
 
 
 def parse_vqlcmd_section(section: dict) -> VQLCMDConfig:
+    from ..methods import METHODS, apply_method
+
     cfg = _build(VQLCMDConfig, section, "vqlcmd")
     if cfg.method not in METHODS:
         raise ConfigError(f"vqlcmd.method must be one of {', '.join(METHODS)}, got {cfg.method!r}")
