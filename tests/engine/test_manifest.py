@@ -129,3 +129,35 @@ def test_the_error_survives_pickling_with_its_fields(tmp_path):
     assert (err.path, err.reason, str(err)) == (tmp_path / "a.pt", "truncated: 1 bytes", f"{tmp_path / 'a.pt'}: "
                                                                                            "truncated: 1 bytes")
     assert type(pickle.loads(pickle.dumps(NoManifest(tmp_path, "x")))) is NoManifest
+
+
+def test_a_trainers_checkpoints_carry_manifests_and_a_corrupt_one_falls_back_to_the_same_losses(
+        tmp_path, tiny_shards, make_config):
+    """Real DeepSpeed checkpoints (ZeRO 2, one gloo rank): commit's manifest lists every file the trainer and
+    DeepSpeed wrote; a byte flipped in the newest one's optimizer state is set aside, and the run resumed
+    from the one before trains on exactly as the uninterrupted run did."""
+    from vqlcmd.engine import checkpoint as ckpt
+    from vqlcmd.engine.config import load_config
+    from vqlcmd.engine.trainer import Trainer
+
+    def train(root, steps, **kw):
+        ds, cfg = load_config(str(make_config(root, tiny_shards, steps=steps, **kw)))
+        return Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)
+
+    straight = train(tmp_path / "a", 6)
+    train(tmp_path / "b", 4, checkpoint_every=2, keep_checkpoints=3)
+    ck = tmp_path / "b" / "run" / "checkpoints"
+    for folder in ckpt.complete_checkpoints(ck):
+        listed = set(verify_manifest(folder)["files"])
+        assert listed == {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST}
+        assert {"config.json", "rank_00000_state.pt", "mp_rank_00_model_states.pt"} <= listed
+    (optim,) = (ck / "step_0000004").glob("*optim_states.pt")
+    flip_byte(optim, at=optim.stat().st_size - 4096)
+    torch.load(optim, weights_only=False)  # still loads: without the manifest the resume took it
+    lines = []
+    assert ckpt.resumable_checkpoint(ck, log=lines.append) == ck / "step_0000002"
+    assert f"step_0000004/{optim.name}: corrupt" in lines[0]
+    resumed = train(tmp_path / "b", 6)
+    assert [h["step"] for h in resumed] == [3, 4, 5, 6]
+    assert [h["loss"] for h in resumed] == [h["loss"] for h in straight[2:]]
+    assert (ck / "step_0000004.corrupt" / optim.name).is_file()
