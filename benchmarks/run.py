@@ -43,7 +43,7 @@ from vqlcmd.cli import positive_int  # noqa: E402
 
 # cheap, self-contained stages first so that a slow or crashing one late in the run costs least
 PREFERRED_ORDER = ("attention", "compiled_ops", "softmax_embedding_average", "denoiser", "optimizer", "train_step",
-                   "sampling", "data", "zero")
+                   "sampling", "data", "zero", "checkpoint")
 DEFAULT_OUT = HERE / "results" / "results.local.jsonl"
 ROW_FIELDS = ("stage", "case", "backend", "shape", "dtype", "status", "median_ms", "spread_ms", "peak_mem_bytes",
               "reps", "baseline", "speedup", "extra", "reason", "device", "device_name", "torch", "commit",

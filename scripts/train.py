@@ -50,7 +50,11 @@ def _set(section: dict, dotted: str, value: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="config file: a path or a name in configs/")
+    parser.add_argument("--config", help="config file: a path or a name in configs/ (required to train)")
+    parser.add_argument("--verify-checkpoints", metavar="DIR",
+                        help="check every checkpoint in DIR (a run's output_dir or its checkpoints/ folder; one "
+                             "checkpoint or an exported pipeline folder also works) against its manifest, without "
+                             "training: one line each; exit status 1 when the one a resume takes first fails")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a vqlcmd key, e.g. --set train.steps=200 --set loss.beta_cm=0, or a "
                              "DeepSpeed one: --set train_batch_size=16 --set zero_optimization.stage=1")
@@ -64,6 +68,12 @@ def main(argv=None) -> int:
     add_threads_option(parser)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
+    if args.verify_checkpoints:  # before any config is read: a damaged run must be checkable as it is
+        from vqlcmd.engine.checkpoint import verify_checkpoints_cli
+
+        return verify_checkpoints_cli(args.verify_checkpoints)
+    if not args.config:
+        parser.error("--config is required (or --verify-checkpoints DIR)")
     if args.fast:  # first: a --set of either key after it still decides
         args.set[:0] = ["train.fast=true", "train.compile=true"]
 

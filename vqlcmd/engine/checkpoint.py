@@ -1,17 +1,8 @@
-"""Crash-safe checkpoints: DeepSpeed's state plus EMAs, loader position and RNG states.
-
-A checkpoint is written under ``<dir>/step_XXXXXXX.partial/`` and renamed to
-``<dir>/step_XXXXXXX/`` once every rank has finished writing; only then is the
-``latest`` file replaced (write to a temporary file, then ``os.replace``, which is
-atomic on POSIX). A crash mid-write therefore leaves at most a ``.partial``
-folder behind and ``latest`` still names a complete checkpoint.
-"""
+"""A run's checkpoints (``CheckpointManager``): what a resume must match, save, load, and the settings a
+resume changed. The folder layout, publishing and verification are ``checkpoint_folder``'s."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -19,79 +10,11 @@ from typing import Callable, Optional
 import torch
 
 from ..methods import get_method
+# (CheckpointError, atomic_write_text and the CLI's check: public names of this module before the split)
+from .checkpoint_folder import (CheckpointError, atomic_write_text, commit, latest_tag,  # noqa: F401
+                                resumable_checkpoint, tag_for, unreadable, verify_checkpoints_cli)
 from .config import ConfigError
 from .ds_config import zero_stage
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that exists but cannot be loaded (most often a truncated or corrupt file)."""
-
-
-def unreadable(folder: Path, why) -> str:
-    """The message of a checkpoint that cannot be read: which, why, and the way out."""
-    older = [p.name for p in complete_checkpoints(folder.parent) if p != folder]
-    out = (f"resume from the previous one ({older[-1]}) by moving {folder} away" if older else
-           "move it away to train afresh")
-    return f"cannot resume from {folder}: {why}. If a file there is truncated or corrupt, {out}"
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def commit(ckpt_dir: Path, step: int, keep: int) -> Path:
-    """Rank 0, after all ranks wrote ``<tag>.partial``: publish it and prune old ones."""
-    tag = tag_for(step)
-    partial, final = ckpt_dir / f"{tag}.partial", ckpt_dir / tag
-    aside = ckpt_dir / f"{tag}.replaced"
-    if final.exists():  # the same step saved again: set the complete one aside (not deleted) until the new one is in
-        if aside.exists():
-            shutil.rmtree(aside)
-        os.replace(final, aside)
-    os.replace(partial, final)
-    atomic_write_text(ckpt_dir / "latest", tag + "\n")
-    # keep the one just published and the newest keep - 1 others (keep = 0: all), even where an older run's
-    # checkpoints carry higher step numbers
-    others = [p for p in complete_checkpoints(ckpt_dir) if p != final]
-    for old in others[:max(0, len(others) - (keep - 1))] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    # the one set aside above, and any that an earlier crash left
-    for stale in [*ckpt_dir.glob("*.partial"), *ckpt_dir.glob("*.replaced")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
-
-
-def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)] if ckpt_dir.is_dir() else []
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
-
-
-def latest_tag(ckpt_dir: Path) -> Optional[str]:
-    """The tag ``latest`` names, if that checkpoint is complete; else the newest complete one."""
-    latest = ckpt_dir / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        aside = ckpt_dir / f"{tag}.replaced"
-        if not (ckpt_dir / tag).is_dir() and aside.is_dir():  # a crash while commit() replaced it: take it back
-            try:
-                os.replace(aside, ckpt_dir / tag)
-            except FileNotFoundError:  # another rank took it back first
-                pass
-        if (ckpt_dir / tag).is_dir():
-            return tag
-    done = complete_checkpoints(ckpt_dir)
-    return done[-1].name if done else None
 
 
 def _setup(key: str, section):
@@ -165,6 +88,8 @@ class CheckpointManager:
         """A run resumes what ``output_dir`` holds, or refuses to start there: a fresh run would write its
         checkpoints beside the earlier run's, and pruning by step number, or the next resume, would then
         take the wrong ones. ``data``: the run's data identity (``distributed.data_identity``)."""
+        if self.resume:
+            self.fall_back_to_verified()
         tag = self.latest()
         if tag is None:
             return
@@ -172,6 +97,25 @@ class CheckpointManager:
             raise ConfigError(f"train.resume is false but {self.ckpt_dir} holds an earlier run's checkpoints (latest "
                               f"{tag}); choose another train.output_dir, or move that folder away")
         self.check_resumable(self.ckpt_dir / tag, ds, cfg, bf16, data)
+
+    def fall_back_to_verified(self) -> None:
+        """Rank 0 verifies the newest checkpoint against its manifest and sets aside those that fail
+        (``resumable_checkpoint``); every rank then sees ``latest`` name the one that verified, or stops with
+        the same one-line error naming the damaged file."""
+        import torch.distributed as dist
+
+        error = None
+        if self.rank == 0:
+            try:
+                resumable_checkpoint(self.ckpt_dir, log=self.log)
+            except CheckpointError as exc:
+                error = str(exc)
+        if dist.is_available() and dist.is_initialized():
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error:
+            raise CheckpointError(error)
 
     def check_resumable(self, folder: Path, ds: dict, cfg, bf16: bool, data: dict) -> None:
         """What a resume would otherwise fail on deep inside DeepSpeed or the loader, named up front.
@@ -183,7 +127,10 @@ class CheckpointManager:
         saved_file = folder / "config.json"
         if not saved_file.is_file():
             return
-        saved = json.loads(saved_file.read_text())
+        try:  # (a checkpoint from before manifests: nothing verified it)
+            saved = json.loads(saved_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(unreadable(folder, f"{saved_file.name}: {exc}")) from exc
         was = bool(saved.get("bf16", {}).get("enabled", False))
         if was != bf16:
             name = {True: "bf16", False: "fp32"}
