@@ -1,6 +1,6 @@
 """Build of the vqlcmd package.
 
-The Triton kernels live in the top-level folder ``kernels/`` (DESIGN.md) and are
+The Triton kernels live in the top-level folder ``kernels/`` (docs/building.md, "Layout") and are
 installed as the sub-package ``vqlcmd.kernels`` (a top-level package named
 ``kernels`` would clash with an unrelated PyPI package of that name). The link
 ``vqlcmd/kernels -> ../kernels`` makes that one package in every install mode:

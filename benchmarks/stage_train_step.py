@@ -24,7 +24,7 @@ from vqlcmd.schedule import ShiftedCosineSchedule
 
 STAGE = "train_step"
 BASELINE = "reference"
-TEACHER_DECAY = 0.99  # VQ-LCMD.md step 8
+TEACHER_DECAY = 0.99  # docs/method.md eq. 16
 GRAD_CLIP = 1.0
 
 # backend name -> (fused-op backend, attention backend)

@@ -20,7 +20,7 @@ def _score_tile(logits_ptr, uncond_ptr, row_off, ks, k_in, guidance, GUIDED: tl.
     keep = k_in[None, :]
     if GUIDED:
         # (1+ω) log P(·|y) − ω log P(·|∅) differs from (1+ω) c − ω u by a per-row constant,
-        # which the renormalising softmax removes (VQ-LCMD.md, classifier-free guidance).
+        # which the renormalising softmax removes (docs/method.md eq. 17).
         u = tl.load(uncond_ptr + row_off[:, None] + ks[None, :], mask=k_in[None, :], other=0.0)
         # A class cond rules out (-inf) stays out: c + ω (c − u) is NaN there (at ω = 0 too, and wherever u
         # is -inf as well), so that ω = 0 is the plain op. One select with the K mask: a second one spilled.

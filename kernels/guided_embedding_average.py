@@ -1,6 +1,6 @@
 """Triton kernel for the classifier-free-guided embedding average used by the samplers.
 
-``softmax((1+ω) log_softmax(cond) − ω log_softmax(uncond)) @ table`` (VQ-LCMD.md, guidance) in
+``softmax((1+ω) log_softmax(cond) − ω log_softmax(uncond)) @ table`` (docs/method.md eq. 17) in
 one pass: the forward kernel of ``softmax_embedding_average`` with GUIDED set reads both logit
 tiles and mixes them before its online softmax; the two log-softmax normalisers are per-row
 constants, so they cancel in the renormalisation and are never computed. No gradient: the

@@ -1,4 +1,4 @@
-"""Triton implementation of Ψ̂ = softmax(logits) @ table (VQ-LCMD.md, training step 5 and sampling).
+"""Triton implementation of Ψ̂ = softmax(logits) @ table (docs/method.md eq. 9: training and sampling).
 
 ``softmax(logits) @ table`` is attention with precomputed scores, so it is computed the way
 FlashAttention computes attention: the forward streams K in tiles with an online softmax

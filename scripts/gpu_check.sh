@@ -169,9 +169,9 @@ else
   repro=(--digits-size 32 --tokenizer-steps 400 --seeds 0 1 2 --steps "${REPRO_STEPS:-4000}" --batch 64 --ns-shift 0
          --per-class 20 --eval-every 500 --patience 3 --jobs 6)
 fi
-if step reproduce "${REPRO_LIMIT:-480}" "$py" scripts/reproduce.py --out "$out/reproduce64" --rows vqlcmd maskgit \
+if step reproduce "${REPRO_LIMIT:-480}" "$py" -m studies.reproduce --out "$out/reproduce64" --rows vqlcmd maskgit \
     "${repro[@]}"; then
-  timeout 60 "$py" scripts/reproduce.py --out "$out/reproduce64" --rows vqlcmd maskgit "${repro[@]}" --report-only \
+  timeout 60 "$py" -m studies.reproduce --out "$out/reproduce64" --rows vqlcmd maskgit "${repro[@]}" --report-only \
     >"$out/reproduce-report.log" 2>&1
   echo "=== reproduce report: exit $?"; tail -n "${TAIL_LINES:-20}" "$out/reproduce-report.log"
   rm -rf "$out/reproduce64/runs"  # checkpoints: the records, tables and plots are what comes back

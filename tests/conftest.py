@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU, Triton kernels run in the interpreter (DESIGN.md). triton.jit fixes interpreter or
-# compiler when a kernel is decorated, and any test may be the first to load vqlcmd.kernels (through
-# the op dispatcher), so the variable is set here, before any test module is imported. ``auto`` never
+# Without a GPU, Triton kernels run in the interpreter (docs/building.md, "Ops and backends"). triton.jit fixes
+# interpreter or compiler when a kernel is decorated, and any test may be the first to load vqlcmd.kernels
+# (through the op dispatcher), so the variable is set here, before any test module is imported. ``auto`` never
 # picks the interpreter, so other tests are unaffected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

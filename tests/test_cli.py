@@ -43,10 +43,11 @@ def test_lists():
         choices_list(("ancestral", "ddim"))("ddim,dpm")
 
 
-def test_digits_table_refuses_bad_lists_before_loading_anything(capsys, tmp_path, load_script):
+def test_digits_table_refuses_bad_lists_before_loading_anything(capsys, tmp_path):
     # each failed only after the pipeline and the digit classifiers were loaded (steps 0, guidance -1), or
     # after the first cells were sampled (an unknown sampler)
-    mod = load_script("digits_table")
+    from studies import digits_table as mod
+
     missing = str(tmp_path / "no_pipeline")
     for flag, value, said in (("--steps", "5,0", "must be a positive integer"),
                               ("--guidance", "1,-1", "must be a finite number >= 0"),
@@ -56,8 +57,10 @@ def test_digits_table_refuses_bad_lists_before_loading_anything(capsys, tmp_path
         assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
-def test_scripts_refuse_bad_numbers_with_a_usage_error(capsys, load_script):
-    mod = load_script("collapse_study")
+def test_scripts_refuse_bad_numbers_with_a_usage_error(capsys):
+    from studies import collapse_study as mod
+    from studies import digits_table
+
     with pytest.raises(SystemExit) as exc:
         mod.main(["--every", "0"])  # was a ZeroDivisionError after the first step
     assert exc.value.code == 2 and "--every: must be a positive integer, got 0" in capsys.readouterr().err
@@ -67,5 +70,5 @@ def test_scripts_refuse_bad_numbers_with_a_usage_error(capsys, load_script):
     assert exc.value.code == 2 and "no folder /nonexistent-folder" in capsys.readouterr().err
     # digits_table packs (seed << 32) | image into an int64
     with pytest.raises(SystemExit) as exc:
-        load_script("digits_table").main(["--pipeline", "x", "--seed", str(2 ** 32)])
+        digits_table.main(["--pipeline", "x", "--seed", str(2 ** 32)])
     assert exc.value.code == 2 and "must be an integer in [0, 2**31)" in capsys.readouterr().err

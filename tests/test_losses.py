@@ -1,4 +1,4 @@
-"""The VQ-LCMD objective against an independent transcription of VQ-LCMD.md's training step."""
+"""The VQ-LCMD objective against an independent transcription of docs/method.md §7-8."""
 import copy
 import math
 
@@ -39,7 +39,7 @@ def _alpha_sigma(tt, shift):
 
 def _transcribed_loss(net, teacher, x, y, seed, *, shift, p_drop, label_drop, beta_dm, beta_cm,
                       l0_fraction=1.0, drop_in_l0=False):
-    """VQ-LCMD.md training step 1-6 with the draws in the documented order, differentiable in θ and E."""
+    """docs/method.md §7-8 with the draws in the documented order, differentiable in θ and E."""
     g = torch.Generator().manual_seed(seed)
     B, M = x.shape
     E, Ebar = net.embedding.weight, teacher.embedding.weight
@@ -383,7 +383,7 @@ def test_a_float16_student_runs_the_teacher_in_float16():
     assert seen == [torch.float16]
 
 
-# ---- EMA (VQ-LCMD.md step 8) ----
+# ---- EMA (docs/method.md §9) ----
 
 def test_ema_decay_zero_copies_the_source():
     src = torch.nn.Linear(3, 2)
@@ -482,7 +482,7 @@ def test_ema_state_dict_round_trip_keeps_the_decay():
     torch.testing.assert_close(b.module.weight, a.module.weight, rtol=0, atol=0)
 
 
-# ---- Embeddings (VQ-LCMD.md "Notation") ----
+# ---- Embeddings (docs/method.md §2) ----
 
 def test_embedding_init_variance_and_layout():
     """Init N(0, D^{-1/2}) for all K+1 rows; row K is [mask]; an init table fills rows 0..K-1 only."""

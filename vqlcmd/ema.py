@@ -1,4 +1,4 @@
-"""Exponential moving averages of a module in float32 (VQ-LCMD.md step 8).
+"""Exponential moving averages of a module in float32 (docs/method.md §9, eq. 16).
 
 ``θ̄ ← η θ̄ + (1-η) θ`` as one fused multi-tensor ``_foreach_lerp_`` over all
 parameters (θ̄ + (1-η)(θ - θ̄)); the shadow stays float32 whatever the dtype of the

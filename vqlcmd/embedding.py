@@ -1,4 +1,4 @@
-"""Learnable token embeddings E ∈ R^{(K+1)×D} (VQ-LCMD.md, "Notation").
+"""Learnable token embeddings E ∈ R^{(K+1)×D} (docs/method.md §2, eq. 1).
 
 Row K is the ``[mask]`` embedding used by random dropping. Initialised
 N(0, D^{-1/2}) as in the paper. Ablation switches: ``frozen`` (fixed embeddings,
@@ -43,7 +43,7 @@ def collapse_indicator(table: torch.Tensor) -> float:
     """Mean pairwise distance between embedding rows relative to their mean norm.
 
     ≈ √2 for independent random rows; → 0 when the embeddings collapse
-    (VQ-LCMD.md, ablation "without L_CM the embeddings collapse").
+    (docs/method.md eq. 2; the paper's ablation "without L_CM the embeddings collapse").
     """
     e = table.detach().float()
     n = e.shape[0]

@@ -1,4 +1,4 @@
-"""Ancestral and DDIM samplers with classifier-free guidance (VQ-LCMD.md "Sampling", Algorithm 2).
+"""Ancestral and DDIM samplers with classifier-free guidance (docs/method.md §10-11; paper Algorithm 2).
 
 Grid 0 = t_0 < … < t_N = 1, z_1 ~ N(0, I); each step predicts Ψ̂ from the
 (guided) token distribution and moves z_t -> z_s; the final tokens are drawn from

@@ -1,4 +1,4 @@
-"""Shifted cosine noise schedule, variance preserving (VQ-LCMD.md, "Noise schedule").
+"""Shifted cosine noise schedule, variance preserving (docs/method.md §3, eq. 3-5).
 
     λ(t) = log SNR(t) = -2 log tan(π t / 2) + shift
     α_t² = sigmoid(λ),  σ_t² = sigmoid(-λ)   so α_t² + σ_t² = 1
@@ -58,7 +58,7 @@ class ShiftedCosineSchedule:
         return -2.0 * math.pi / torch.sin(math.pi * t)
 
     def posterior(self, t: torch.Tensor, s: torch.Tensor):
-        """Coefficients of q(z_s | z_t, x) for s < t (VQ-LCMD.md, "Sampling").
+        """Coefficients of q(z_s | z_t, x) for s < t (docs/method.md §5, eq. 7-8).
 
         Returns ``(c_z, c_x, var)`` with mean ``c_z z_t + c_x x`` and variance ``var``:
         ``c_z = α_{t|s} σ_s² / σ_t²``, ``c_x = α_s σ²_{t|s} / σ_t²``, ``var = σ²_{t|s} σ_s² / σ_t²``,

@@ -1,6 +1,6 @@
 // Per-row math of categorical_kl, shared by the CPU and CUDA kernels (torch-free).
 //
-// L_CM of VQ-LCMD.md: KL(p || q) = sum_k p_k (log p_k - log q_k) with
+// L_CM of docs/method.md (eq. 13): KL(p || q) = sum_k p_k (log p_k - log q_k) with
 // p = softmax(teacher), q = softmax(student), and d KL / d student_k = q_k - p_k.
 // Two forms. Streamed (CPU, long rows on CUDA): pass 1 keeps an online
 // log-sum-exp (Milakov & Gimelshein 2018) of each row, pass 2 reads the rows

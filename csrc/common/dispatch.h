@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
-// The kernels read fp32, bf16 and fp16 and do float32 math (DESIGN.md: float32
+// The kernels read fp32, bf16 and fp16 and do float32 math (docs/building.md: float32
 // accumulation for low-precision inputs). float64 is served by the reference
 // backend, which the dispatcher picks for it.
 #define VQLCMD_DISPATCH_FLOAT(TYPE, NAME, ...)                     \

@@ -8,13 +8,13 @@
 
 namespace vqlcmd {
 
-// The table row a token reads: random dropping (VQ-LCMD.md, training step 2)
+// The table row a token reads: random dropping (docs/method.md §4)
 // replaces a dropped token by the [mask] row.
 VQLCMD_HD int64_t noised_row(int64_t token, bool dropped, int64_t mask_index) {
   return dropped ? mask_index : token;
 }
 
-// Forward process, VQ-LCMD.md step 2: z_t = alpha_t E[x'] + sigma_t eps.
+// Forward process, docs/method.md eq. 6: z_t = alpha_t E[x'] + sigma_t eps.
 VQLCMD_HD float noise_embedding(float e, float eps, float alpha, float sigma) {
   return alpha * e + sigma * eps;
 }

@@ -1,23 +1,22 @@
-"""scripts/reproduce.py --quick runs every row end to end (tiny preset, tiny tokenizer) and writes its outputs."""
+"""studies/reproduce.py --quick runs every row end to end (tiny preset, tiny tokenizer) and writes its outputs."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# run as its docs say, ``python -m studies.reproduce`` from the repository root (hence cwd=REPO below)
+STUDY = ["-m", "studies.reproduce"]
 
 
 def test_reproduce_quick_runs_every_row(tiny_config, tmp_path):
     cfg = tiny_config()
     out = tmp_path / "repro"
-    cmd = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--quick", "--config", str(cfg), "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, *STUDY, "--quick", "--config", str(cfg), "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
-    from importlib.util import module_from_spec, spec_from_file_location
+    import studies.reproduce as mod
 
-    spec = spec_from_file_location("reproduce", REPO / "scripts" / "reproduce.py")
-    mod = module_from_spec(spec)
-    spec.loader.exec_module(mod)
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["row"] for r in records} == set(mod.ROWS)
     for r in records:
@@ -36,7 +35,7 @@ def test_reproduce_quick_runs_every_row(tiny_config, tmp_path):
         assert json.loads(run_config.read_text())["vqlcmd"]["ema"]["teacher"] == eta, row
     assert (out / "few_steps.png").stat().st_size > 1000
     # a second invocation reuses the finished runs instead of training again
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert again.returncode == 0 and len((out / "results.jsonl").read_text().splitlines()) == len(records)
     assert f"{len(mod.ROWS)} of {len(mod.ROWS)} runs already in" in again.stdout
 
@@ -45,15 +44,15 @@ def test_reproduce_parallel_jobs_and_time_limit(tiny_config, tmp_path):
     """--jobs 2 trains two runs in worker processes and records both; --time-limit 0 starts nothing new."""
     cfg = tiny_config()
     out = tmp_path / "repro"
-    base = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--quick", "--config", str(cfg), "--out", str(out),
+    base = [sys.executable, *STUDY, "--quick", "--config", str(cfg), "--out", str(out),
             "--no-few-steps"]
     res = subprocess.run(base + ["--rows", "vqlcmd", "no_cm", "--jobs", "2"], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted(r["row"] for r in records) == ["no_cm", "vqlcmd"]
     late = subprocess.run(base + ["--rows", "vqlcmd", "no_cm", "no_rd", "--jobs", "2", "--time-limit", "0"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert late.returncode == 0, late.stderr[-3000:]
     assert "not started" in late.stdout and "no_rd" in late.stdout
     assert "2 of 3 runs already in" in late.stdout  # no worker process for the finished runs
@@ -63,7 +62,8 @@ def test_reproduce_parallel_jobs_and_time_limit(tiny_config, tmp_path):
     assert "VQ-LCMD w/o L_CM" in (out / "tables.md").read_text()
     assert all(r["bf16"] is False for r in records) and "per run in fp32" in (out / "tables.md").read_text()
     # the precision is part of a record's budget: a bf16 run of a finished fp32 row trains anew, apart
-    bf16 = subprocess.run(base + ["--rows", "vqlcmd", "--bf16", "true"], capture_output=True, text=True, timeout=300)
+    bf16 = subprocess.run(base + ["--rows", "vqlcmd", "--bf16", "true"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
     assert bf16.returncode == 0, bf16.stderr[-3000:]
     after = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["row"], r["bf16"]) for r in after[len(records):]] == [("vqlcmd", True)]
@@ -75,11 +75,8 @@ def test_reproduce_parallel_jobs_and_time_limit(tiny_config, tmp_path):
 
 
 def _module():
-    from importlib.util import module_from_spec, spec_from_file_location
+    import studies.reproduce as mod
 
-    spec = spec_from_file_location("reproduce", REPO / "scripts" / "reproduce.py")
-    mod = module_from_spec(spec)
-    spec.loader.exec_module(mod)
     return mod
 
 
@@ -140,8 +137,8 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
                         (["--model-overrides", "[1]"], "must be a JSON object"),
                         (["--time-limit", "nan"], "must be a finite number >= 0"),
                         (["--checkpoint-every", "-1"], "must be a non-negative integer")):
-        res = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--out", str(tmp_path / "o"),
-                              *extra], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([sys.executable, *STUDY, "--out", str(tmp_path / "o"),
+                              *extra], capture_output=True, text=True, timeout=300, cwd=REPO)
         assert res.returncode == 2 and said in res.stderr, (extra, res.stderr[-500:])
 
 
@@ -149,10 +146,10 @@ def test_a_failing_run_does_not_stop_the_sweep(tiny_config, tmp_path):
     """One run's error ended a sequential sweep (no results, no tables); now it is logged, the other runs
     are trained and recorded, and the exit code says one failed."""
     out = tmp_path / "repro"
-    cmd = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--quick", "--config", str(tiny_config()),
+    cmd = [sys.executable, *STUDY, "--quick", "--config", str(tiny_config()),
            "--out", str(out), "--no-few-steps", "--rows", "csdm_fixed", "vqlcmd",
            "--model-overrides", '{"embed_dim": 16}']  # CSDM† diffuses the tokenizer's 4-d codes: it refuses 16
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 1, res.stderr[-3000:]
     assert "csdm_fixed seed 0 failed: ConfigError" in res.stdout and "1 run(s) failed: csdm_fixed seed 0" in res.stderr
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -169,10 +166,10 @@ def test_learning_curves_few_steps_and_report_only(tiny_config, tmp_path):
     adds only those; --report-only rebuilds the tables and plots from the records alone."""
     cfg = tiny_config()
     out = tmp_path / "curves"
-    base = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--quick", "--config", str(cfg),
+    base = [sys.executable, *STUDY, "--quick", "--config", str(cfg),
             "--rows", "vqlcmd", "maskgit"]
     res = subprocess.run(base + ["--out", str(out), "--eval-every", "1", "--no-few-steps"], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     records = _records(out / "results.jsonl")
     curve = [r for r in records if r["kind"] == "curve"]
@@ -198,13 +195,15 @@ def test_learning_curves_few_steps_and_report_only(tiny_config, tmp_path):
 
     # a training in one piece gives the same model: the segments resumed bit-exactly
     whole = tmp_path / "whole"
-    res = subprocess.run(base + ["--out", str(whole), "--no-few-steps"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(base + ["--out", str(whole), "--no-few-steps"], capture_output=True, text=True, timeout=600,
+                         cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     assert {r["row"]: r["fid"] for r in _records(whole / "results.jsonl")} == {k: r["fid"] for k, r in main.items()}
 
     # the few-step evaluations added later: nothing trained again, no finished evaluation redone
     log_before = (out / "train.log").read_text()
-    res = subprocess.run(base + ["--out", str(out), "--eval-every", "1"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(base + ["--out", str(out), "--eval-every", "1"], capture_output=True, text=True, timeout=600,
+                         cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     after = _records(out / "results.jsonl")
     assert after[:len(records)] == records
@@ -219,7 +218,8 @@ def test_learning_curves_few_steps_and_report_only(tiny_config, tmp_path):
     (report / "results.jsonl").write_text((out / "results.jsonl").read_text())
     (report / "real_reference_16px.json").write_text(json.dumps(dict(fid=0.1, precision=0.9, recall=0.9,
                                                                      num_samples=899)))
-    res = subprocess.run(base + ["--out", str(report), "--report-only"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(base + ["--out", str(report), "--report-only"], capture_output=True, text=True, timeout=300,
+                         cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not (report / "runs").exists()
     tables = (report / "tables.md").read_text()
@@ -292,10 +292,10 @@ def test_reproduce_workers_end_with_a_killed_sweep(tiny_config, tmp_path):
     import time
 
     out = tmp_path / "repro"
-    cmd = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--config", str(tiny_config()), "--out", str(out),
+    cmd = [sys.executable, *STUDY, "--config", str(tiny_config()), "--out", str(out),
            "--rows", "vqlcmd", "no_cm", "--seeds", "0", "--steps", "1000000", "--jobs", "2", "--threads", "1",
            "--no-few-steps", "--per-class", "1"]
-    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     workers: set[int] = set()
     try:
         deadline = time.monotonic() + 300
@@ -338,10 +338,10 @@ def test_parallel_workers_write_each_evaluation_as_it_is_made(tiny_config, tmp_p
     import time
 
     out = tmp_path / "repro"
-    cmd = [sys.executable, str(REPO / "scripts" / "reproduce.py"), "--config", str(tiny_config()), "--out", str(out),
+    cmd = [sys.executable, *STUDY, "--config", str(tiny_config()), "--out", str(out),
            "--rows", "vqlcmd", "maskgit", "--seeds", "0", "--steps", "1000000", "--eval-every", "2", "--jobs", "2",
            "--threads", "1", "--no-few-steps", "--per-class", "1", "--batch", "4"]
-    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     results = out / "results.jsonl"
     try:
         deadline = time.monotonic() + 300
@@ -371,11 +371,11 @@ def test_records_name_the_tokenizer_they_were_made_with(tiny_config, tmp_path):
     from vqlcmd.data.digits import prepare_digits
 
     cache, out = tmp_path / "cache", tmp_path / "repro"
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--quick", "--config",
+    res = subprocess.run([sys.executable, *STUDY, "--quick", "--config",
                           str(tiny_config()), "--out", str(out), "--rows", "vqlcmd", "--no-few-steps",
                           "--digits-size", "16", "--tokenizer-steps", "3", "--digits-cache", str(cache),
                           "--model-overrides", '{"codebook_size": 128, "num_classes": 10}'],  # the digits' codebook, classes
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     info = prepare_digits(cache, steps=3, size=16, progress=False, log=lambda *a: None)  # the cached one
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""benchmarks/flops.py against a count by hand, from the architecture in VQ-LCMD.md ("Denoiser", "Training step")."""
+"""benchmarks/flops.py against a count by hand, from the architecture in docs/method.md (§12, §7-8)."""
 import pytest
 
 from benchmarks import flops

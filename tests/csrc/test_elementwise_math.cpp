@@ -1,5 +1,5 @@
-// The per-element formulas of noise_embeddings and ddim_teacher_step (VQ-LCMD.md
-// training steps 2 and 3) on hand-computed values, gelu_tanh's sigmoid form
+// The per-element formulas of noise_embeddings and ddim_teacher_step (docs/method.md
+// eq. 6 and eq. 10) on hand-computed values, gelu_tanh's sigmoid form
 // against the tanh form it rewrites, and ada_layer_norm's row math against
 // hand-computed moments and finite differences.
 #include "ada_layer_norm/ada_layer_norm.h"

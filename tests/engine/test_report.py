@@ -25,7 +25,7 @@ def test_report_writes_grid_and_json_and_scores_digits_shards_given_by_path(tiny
     with Image.open(saved["grid"]) as grid:  # a row per class: 4 classes x 2 samples of 16 px
         assert grid.size == (2 * 17 + 1, 4 * 17 + 1)
     # shards given by path but written from the digits (their header says so) get the verdict too,
-    # as scripts/reproduce.py's runs do
+    # as studies/reproduce.py's runs do
     trainer.header["source"] = DIGITS_SOURCE
     assert on_digits(trainer)
     report = final_report(trainer, per_class=2)

@@ -96,7 +96,7 @@ def test_the_loss_uses_the_configs_weights_and_the_ema_teacher_and_the_seed_orde
                                          backend=tr.cfg.train.backend))
     for k in ("loss", "l0", "l_dm", "l_cm"):
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
-    # VQ-LCMD.md: L = L0 + beta_DM L_DM + beta_CM L_CM, with this config's betas
+    # docs/method.md eq. 14: L = L0 + beta_DM L_DM + beta_CM L_CM, with this config's betas
     torch.testing.assert_close(got["loss"], got["l0"] + 0.02 * got["l_dm"] + 0.5 * got["l_cm"], rtol=1e-6, atol=1e-6)
     own = run(lambda g: training_losses(tr.net, tr.net, tr.schedule, tokens, labels, cfg_loss, generator=g,
                                         backend=tr.cfg.train.backend))

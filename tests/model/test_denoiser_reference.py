@@ -1,5 +1,5 @@
 """The denoiser against an independent float64 transcription of its documented architecture
-(VQ-LCMD.md "Denoiser"; denoiser.py module docstring): linear D -> width + fixed sinusoidal positions,
+(docs/method.md §12; denoiser.py module docstring): linear D -> width + fixed sinusoidal positions,
 time embedding sinusoids(1000 t) -> MLP, class embedding with a null row (C + 1 rows), SiLU of the
 condition, pre-norm blocks with AdaLN (1 + a) LN(h) + b, bidirectional softmax(QK^T/sqrt(d))V,
 MLP, final AdaLN, linear head to K logits."""
@@ -143,7 +143,7 @@ def test_network_passes_its_embedding_switches():
 
 
 def test_presets_are_the_documented_architectures():
-    """VQ-LCMD.md "Denoiser": unconditional 15 layers / 8 heads / width 512; ImageNet 24 / 16 / 768 with
+    """docs/method.md §12: unconditional 15 layers / 8 heads / width 512; ImageNet 24 / 16 / 768 with
     1000 classes; attention dropout 0.1. The digits preset runs without dropout (presets.py)."""
     ffhq, imnet, digits = (preset_config(n) for n in ("ffhq-56m", "imagenet-246m", "digits-1m"))
     assert (ffhq.depth, ffhq.heads, ffhq.width, ffhq.num_classes, ffhq.attn_dropout) == (15, 8, 512, 0, 0.1)

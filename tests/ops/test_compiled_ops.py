@@ -610,7 +610,7 @@ def test_ada_layer_norm_uses_its_eps_argument(eps, gen):
 
 def test_ada_layer_norm_float32_modulation_gets_float32_gradients(gen):
     """A bf16 h with float32 (scale, shift), as under autocast with a float32 conditioning path: the kernel sums
-    d scale = sum dy * n and d shift = sum dy in float32 (DESIGN.md: float32 accumulation) and hands them to the
+    d scale = sum dy * n and d shift = sum dy in float32 (docs/building.md: float32 accumulation) and hands them to the
     float32 parameters unrounded; a detour through h's bf16 costs ~3 significant digits."""
     B, M, W = 2, 16, 24
     h = torch.randn(B, M, W, generator=gen).bfloat16()

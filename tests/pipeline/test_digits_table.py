@@ -1,11 +1,12 @@
-"""scripts/digits_table.py on the tiny pipeline: cells, cache-based continuation, Markdown layout."""
+"""studies/digits_table.py on the tiny pipeline: cells, cache-based continuation, Markdown layout."""
 import pytest
 
 
 @pytest.mark.slow  # fits the digit classifiers at 16 px: minutes on the shared 2-core CPU
-def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys, load_script):
+def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys):
     folder = tiny_pipeline.save_pretrained(tmp_path / "pipe")
-    mod = load_script("digits_table")
+    from studies import digits_table as mod
+
     out = tmp_path / "table.md"
     args = ["--pipeline", str(folder), "--out", str(out), "--steps", "1,2", "--samplers", "ddim",
             "--guidance", "0,1", "--per-class", "4", "--machine", "2-core CPU (test), 2 threads"]
@@ -14,7 +15,7 @@ def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys, load_s
     import re
     import shlex
 
-    made_by = re.search(r"Made by `python scripts/digits_table\.py (.*?)`\.", text).group(1)
+    made_by = re.search(r"Made by `python -m studies\.digits_table (.*?)`\.", text).group(1)
     assert shlex.split(made_by) == args  # pasted into a shell, it runs (it lost the --machine quotes)
     rows = [line for line in text.splitlines() if line.startswith("| ddim")]
     assert len(rows) == 4 and "| ddim | 1 | 2 |" in text
@@ -26,11 +27,12 @@ def test_table_runs_caches_and_continues(tiny_pipeline, tmp_path, capsys, load_s
     assert len([line for line in out.read_text().splitlines() if line.startswith("| ddim")]) == 6
 
 
-def test_digits_table_cache_key_covers_the_pipelines_config(tmp_path, tiny_pipeline, load_script):
+def test_digits_table_cache_key_covers_the_pipelines_config(tmp_path, tiny_pipeline):
     """It hashed the weights only: a pipeline with another schedule shift took the cached cells."""
     import json
 
-    mod = load_script("digits_table")
+    from studies import digits_table as mod
+
     folder = tiny_pipeline.save_pretrained(tmp_path / "p")
     key = mod.digest(folder)
     config = json.loads((folder / "config.json").read_text())

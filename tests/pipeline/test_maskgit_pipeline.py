@@ -118,10 +118,11 @@ def test_sample_script_writes_a_maskgit_folders_images(maskgit, tmp_path, load_s
     assert sorted(p.name for p in (tmp_path / "s").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
 
 
-def test_digits_table_refuses_a_maskgit_folder_up_front(maskgit, tmp_path, load_script):
+def test_digits_table_refuses_a_maskgit_folder_up_front(maskgit, tmp_path):
     # its rows are the diffusion samplers: MaskGIT ran under their names, then (refusing sampler=) failed at
     # the first cell, after the classifiers had loaded
-    mod = load_script("digits_table")
+    from studies import digits_table as mod
+
     folder = maskgit.save_pretrained(tmp_path / "mg")
     with pytest.raises(SystemExit, match="a MaskGIT pipeline; the table compares the ancestral and DDIM samplers"):
         mod.main(["--pipeline", str(folder), "--out", str(tmp_path / "t.md")])

@@ -1,4 +1,4 @@
-"""scripts/sampling_sweep.py: every setting scored once, with the pipeline's own sampler under those settings."""
+"""studies/sampling_sweep.py: every setting scored once, with the pipeline's own sampler under those settings."""
 import json
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 
 @pytest.fixture
-def sweep_setup(tiny_pipeline, tmp_path, load_script, monkeypatch):
+def sweep_setup(tiny_pipeline, tmp_path, monkeypatch):
     """The script, a saved tiny pipeline's folder, and the images each scored setting drew, in order."""
     folder = tmp_path / "pipe"
     tiny_pipeline.save_pretrained(folder)
@@ -18,7 +18,9 @@ def sweep_setup(tiny_pipeline, tmp_path, load_script, monkeypatch):
                 "precision": 0.5, "recall": 0.6}
 
     monkeypatch.setattr("vqlcmd.metrics.digits.evaluate_digit_samples", fake_metrics)
-    return load_script("sampling_sweep"), folder, scored
+    from studies import sampling_sweep
+
+    return sampling_sweep, folder, scored
 
 
 def test_sweep_scores_each_setting_once_and_continues(tiny_pipeline, tmp_path, sweep_setup):

@@ -71,7 +71,7 @@ def unmask_schedule(num_steps: int, seq_len: int, mode: str = "arccos") -> torch
     r_n = linspace(1, 0, N+1)[1:], as in later versions derived from their code; their own uses
     linspace(1, 0, N), whose r_0 = 1 decodes a single token first (N = 8: for M = 256 theirs gives 1, 18,
     26, ... where this gives 15, 21, 26, ...; for M = 64, 1, 5, 6, ... against 4, 5, 7, ...).
-    ``docs/reproduce.md``'s MaskGIT rows were made with this grid. ``mode="cosine"`` weights the steps by
+    ``docs/archive/reproduce.md``'s MaskGIT rows were made with this grid. ``mode="cosine"`` weights the steps by
     cos(πr/2) in the same way; it is not Chang et al.'s ⌈γ(n/N)·M⌉ rule. Their version can leave the last
     step at ≤ 0 when N is close to M; here the excess is taken from the largest steps instead, so the
     counts always stay >= 1 and sum to M.

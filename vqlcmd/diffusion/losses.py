@@ -1,4 +1,4 @@
-"""The VQ-LCMD training objective (VQ-LCMD.md "Training step", paper Algorithm 1).
+"""The VQ-LCMD training objective (docs/method.md §7-8, eq. 10-15; paper Algorithm 1).
 
     L = L0 + β_DM · L_DM + β_CM · L_CM
 

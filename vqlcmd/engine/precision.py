@@ -4,7 +4,7 @@
 CUDA devices that support bf16 (Ampere and newer), and CPUs with AVX512-BF16 or AMX-BF16
 instructions, on which oneDNN's bf16 GEMMs have a native path. On the 2-core AVX512-BF16
 development CPU the digits training step took 243 ms in bf16 against 362 ms in fp32
-(docs/quickstart.md). A CPU without those instructions has no such path, so "auto" keeps fp32
+(docs/archive/quickstart.md). A CPU without those instructions has no such path, so "auto" keeps fp32
 there rather than guess. DeepSpeed itself only takes a bool, so the engine resolves the value
 before it builds the DeepSpeed engine and records the resolved one in the run's config.
 """

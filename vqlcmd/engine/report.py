@@ -12,7 +12,7 @@ from ..samplers import EVERY_T, checked_interval
 
 def on_digits(trainer) -> bool:
     """Whether the run trains on the embedded digits: named in the config, or its shards given by path
-    (as ``scripts/reproduce.py`` does), recognised by the source their header records."""
+    (as ``studies/reproduce.py`` does), recognised by the source their header records."""
     from ..data.digits import DIGITS_SOURCE
 
     return trainer.cfg.data.dataset == "digits" or trainer.header.get("source") == DIGITS_SOURCE

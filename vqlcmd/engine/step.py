@@ -1,4 +1,4 @@
-"""One training step: ``gas`` micro-steps of forward and backward through DeepSpeed, its optimizer step, then
+"""One training step (docs/method.md §7): ``gas`` micro-steps of forward and backward through DeepSpeed, its optimizer step, then
 both EMAs, with one flush policy for the host reads (``TrainStep``).
 
 The loss terms, the non-finite checks and the stop flag (a SIGINT / SIGTERM on any rank) need a collective

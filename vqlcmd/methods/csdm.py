@@ -1,4 +1,5 @@
-"""The continuous baselines (``vqlcmd.baselines.csdm``): the VQ-LCMD loss with forced switches.
+"""The continuous baselines (``vqlcmd.baselines.csdm``): the VQ-LCMD loss with forced switches
+(docs/method.md §13, eq. 15).
 
 ``csdm_fixed`` (CSDM†) diffuses the tokenizer's frozen codebook vectors; ``csdm`` and ``csdm_l2`` learn
 the embeddings on the VLB (the latter ℓ2-normalised).

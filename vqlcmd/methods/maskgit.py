@@ -1,5 +1,5 @@
 """MaskGIT on the same tokens and backbone (``vqlcmd.baselines.maskgit``): masked-token prediction, sampled
-by iterative confident unmasking."""
+by iterative confident unmasking (docs/method.md §13)."""
 from __future__ import annotations
 
 from ..baselines.maskgit import MaskGITPipeline, maskgit_losses

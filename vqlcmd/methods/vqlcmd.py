@@ -1,4 +1,4 @@
-"""VQ-LCMD itself (docs/method.md): L0 + β_DM·L_DM + β_CM·L_CM against the EMA teacher.
+"""VQ-LCMD itself: L0 + β_DM·L_DM + β_CM·L_CM against the EMA teacher (docs/method.md §7-8, eq. 10-15).
 
 Its ablations are switches of the loss, embedding and schedule sections, not methods of their own.
 """

@@ -10,7 +10,7 @@ Distribution metrics (the small-scale stand-in for Inception FID and precision/r
 classifier, a one-hidden-layer MLP fitted on the same real digits, supplies the feature space, as
 Inception's pool layer does for ImageNet: FID and k = 3 precision/recall are computed on its 64
 tanh hidden units against all 1797 real digits. The SVC stays the judge of class accuracy (its
-figures are the ones quoted in VQ-LCMD.md); the MLP gives a smooth, learned space in which
+accuracy is the one the README and docs/quickstart.md quote); the MLP gives a smooth, learned space in which
 within-class variety counts, which the SVC's implicit RBF space does not expose.
 """
 from __future__ import annotations

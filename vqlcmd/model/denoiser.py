@@ -2,7 +2,7 @@
 
 The model is only a denoiser (DiT habit): all diffusion math lives in
 ``vqlcmd.diffusion`` and takes the model as an argument. Architecture as in
-VQ-LCMD.md ("Denoiser"): linear D -> width, fixed sinusoidal positions, a time
+docs/method.md §12: linear D -> width, fixed sinusoidal positions, a time
 embedding (sinusoidal features -> MLP) plus a class embedding with a null row,
 blocks whose two LayerNorms are AdaLN ``(1 + a) LN(h) + b``, attention dropout,
 a final AdaLN and a linear head to K logits.

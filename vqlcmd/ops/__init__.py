@@ -52,7 +52,7 @@ def _resolve_for_ids(op: str, backend: str, tokens: torch.Tensor, table: torch.T
 def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """``softmax(logits) @ table``: logits (..., K), table (K, D) -> (..., D).
 
-    The predicted embedding Ψ̂ of VQ-LCMD.md. Differentiable in both inputs;
+    The predicted embedding Ψ̂ of docs/method.md (eq. 9). Differentiable in both inputs;
     float32 math; the result has the promoted dtype of the inputs.
     """
     _checks.check_average_inputs(logits, table)
@@ -70,7 +70,7 @@ def guided_embedding_average(
     """Embedding average under the classifier-free-guided distribution.
 
     ``softmax((1+ω) log_softmax(cond) - ω log_softmax(uncond)) @ table``
-    (VQ-LCMD.md, guidance); ω = 0 is :func:`softmax_embedding_average` of ``cond``.
+    (docs/method.md §10, eq. 17); ω = 0 is :func:`softmax_embedding_average` of ``cond``.
     Used by the samplers, so no gradient is promised. A class both logits rule out (-inf) stays out; one
     that only ``uncond`` rules out has an infinite guided weight, and its row is NaN for ω > 0 (a network's
     logits are finite, so the kernels do not spend a pass on it).
@@ -90,7 +90,7 @@ def categorical_kl(
     """Per-row ``KL(softmax(teacher) || softmax(student))``: (..., K), (..., K) -> (...), float32 (float64
     for float64 inputs).
 
-    The consistency-matching term L_CM of VQ-LCMD.md. The teacher is a fixed
+    The consistency-matching term L_CM of docs/method.md (eq. 13). The teacher is a fixed
     target: the gradient flows to ``student_logits`` only.
     """
     _checks.check_logits_pair(teacher_logits, student_logits)

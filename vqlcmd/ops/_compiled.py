@@ -176,7 +176,7 @@ def _noise_backward(ctx, grad):
 def ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s):
     if table.dtype not in KERNEL_DTYPES:  # the dispatcher saw z_t's dtype only
         table = table.float()
-    with torch.no_grad():  # the teacher is a fixed target (VQ-LCMD.md step 4)
+    with torch.no_grad():  # the teacher is a fixed target (docs/method.md §7)
         return torch.ops.vqlcmd.ddim_teacher_step(tokens, table, z_t, alpha_t, sigma_t, alpha_s, sigma_s)
 
 

@@ -1,4 +1,4 @@
-"""Backend registry for the fused ops (DESIGN.md, "One op, several implementations").
+"""Backend registry for the fused ops (docs/building.md, "Ops and backends").
 
 Each op has one public function in ``vqlcmd.ops``; each backend registers an
 implementation plus two questions it can answer:

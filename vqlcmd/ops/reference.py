@@ -64,7 +64,7 @@ def softmax_embedding_average(logits: torch.Tensor, table: torch.Tensor) -> torc
 
 
 def guided_log_probs(cond_logits: torch.Tensor, uncond_logits: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-    """Classifier-free guidance on log-probabilities (VQ-LCMD.md, eq. cfg), renormalised."""
+    """Classifier-free guidance on log-probabilities (docs/method.md §10, eq. 17), renormalised."""
     dt = math_dtype(cond_logits, uncond_logits)
     lc = torch.log_softmax(cond_logits.to(dt), dim=-1)
     if guidance_scale == 0:  # cond's own distribution, also where uncond alone is -inf (0 · inf is NaN)

@@ -1,8 +1,8 @@
 """A small VQModel the project trains itself (the embedded digits data set's tokenizer).
 
 Default: 3 down blocks of 16/32/64 channels, 128 codes of 8 dims, 32x32 -> 8x8 tokens,
-~0.68M parameters. The feasibility notes (VQ-LCMD.md) reached PSNR 33 dB with 126/128 codes
-after ~1000 steps; codes that go unused are re-initialised from encoder outputs early in
+~0.68M parameters. The quick start trains it to PSNR 33.7 dB with 124 of 128 codes in use
+(docs/archive/quickstart.md); codes that go unused are re-initialised from encoder outputs early in
 training, which is what keeps most of the codebook alive.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Score one trained digits pipeline under every sampling setting it exposes, to choose its defaults.
 
-    python scripts/sampling_sweep.py runs/digits/pipeline --out sweep.jsonl --guidance 0 0.5 1 2
+    python -m studies.sampling_sweep runs/digits/pipeline --out sweep.jsonl --guidance 0 0.5 1 2
 
 For each (sampler, sampling steps, guidance ω, final draw) it draws --per-class samples per class with the
 same generator seed and scores them with the project's digits metrics (vqlcmd.metrics.digits: the
@@ -21,12 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the checkout, not scripts/ (scripts/tokenize.py)
+import torch
 
-import torch  # noqa: E402
-
-from vqlcmd.cli import noise_interval, non_negative_float, non_negative_int, positive_int  # noqa: E402
-from vqlcmd.samplers import EVERY_T, checked_interval  # noqa: E402
+from vqlcmd.cli import noise_interval, non_negative_float, non_negative_int, positive_int
+from vqlcmd.samplers import EVERY_T, checked_interval
 
 GOALS = {"accuracy": 0.98, "spread_ratio": 0.70, "recall": 0.5}  # issue 31 (c): the quick start's targets
 

@@ -2,7 +2,7 @@
 """The digits evaluation table: class accuracy, feature-space FID and precision/recall of a digits
 pipeline at several step counts, for the ancestral and DDIM samplers and several guidance scales.
 
-    python scripts/digits_table.py --pipeline runs/digits/pipeline --out docs/digits_eval.md
+    python -m studies.digits_table --pipeline runs/digits/pipeline --out runs/digits_eval.md
 
 Each cell draws ``--per-class`` images of every class (one generator per image, seeded from
 ``--seed`` and the image index, so every cell starts from the same noise) and scores them with
@@ -13,26 +13,18 @@ stopped; the Markdown is rewritten after every cell.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import hashlib
+import json
+import shlex
 import sys
+import time
+from pathlib import Path
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# scripts/tokenize.py shadows the standard library's tokenize (which torch imports through inspect and
-# linecache): drop this folder from the path, and put the checkout on it to run without install.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import torch
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import shlex  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from vqlcmd.cli import choices_list, comma_list, non_negative_float, positive_int, seed_int  # noqa: E402
-from vqlcmd.samplers import SAMPLERS  # noqa: E402
+from vqlcmd.cli import choices_list, comma_list, non_negative_float, positive_int, seed_int
+from vqlcmd.samplers import SAMPLERS
 
 
 def digest(folder: Path) -> str:
@@ -70,7 +62,7 @@ def markdown(cells: list, info: dict, reference: dict, missing=()) -> str:
         f"Model: `{info['pipeline']}` ({info['model']}). "
         f"Each row: {info['per_class']} samples per class ({info['num_samples']} in all), the same per-image "
         f"seeds in every row, final tokens drawn from P(x | z_0) (Algorithm 2). "
-        f"Made by `python scripts/digits_table.py {info['command']}`.",
+        f"Made by `python -m studies.digits_table {info['command']}`.",
         "",
         *([info["note"], ""] if info.get("note") else []),
         "- **accuracy**: an RBF SVC fitted on the real digits classifies the samples; the share that get "
@@ -106,7 +98,7 @@ def markdown(cells: list, info: dict, reference: dict, missing=()) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline", default="runs/digits/pipeline")
-    p.add_argument("--out", default="docs/digits_eval.md")
+    p.add_argument("--out", default="runs/digits_eval.md")
     p.add_argument("--cache", default=None,
                    help="JSON-lines results cache (default: digits_table.jsonl beside the pipeline folder)")
     p.add_argument("--steps", type=comma_list(positive_int), default=[5, 10, 20, 50])

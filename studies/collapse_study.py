@@ -9,28 +9,19 @@ every --every steps. Writes a PNG plot next to the table when --plot is given.
 """
 from __future__ import annotations
 
-import os
-import sys
-
-# scripts/ is sys.path[0] when a script runs; scripts/tokenize.py would shadow the standard library's
-# tokenize module (imported lazily by linecache, inspect, torch), so take scripts/ off the path first.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
 import argparse
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from vqlcmd.cli import positive_float, positive_int, seed_int  # noqa: E402
-from vqlcmd.diffusion import LossConfig, training_losses  # noqa: E402
-from vqlcmd.ema import EMA  # noqa: E402
-from vqlcmd.embedding import collapse_indicator  # noqa: E402
-from vqlcmd.model import preset_config  # noqa: E402
-from vqlcmd.network import VQLCMDNetwork  # noqa: E402
-from vqlcmd.schedule import ShiftedCosineSchedule  # noqa: E402
+from vqlcmd.cli import positive_float, positive_int, seed_int
+from vqlcmd.diffusion import LossConfig, training_losses
+from vqlcmd.ema import EMA
+from vqlcmd.embedding import collapse_indicator
+from vqlcmd.model import preset_config
+from vqlcmd.network import VQLCMDNetwork
+from vqlcmd.schedule import ShiftedCosineSchedule
 
 
 def synthetic_batches(K, M, C, batch, seed):

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The paper's comparisons at small scale, on the embedded digits data set, in one command.
 
-    python scripts/reproduce.py --steps 3000 --seeds 0 1 2      # the real budget (hours on a CPU)
-    python scripts/reproduce.py --quick                          # every row for a few steps (CI)
+    python -m studies.reproduce --steps 3000 --seeds 0 1 2      # the real budget (hours on a CPU)
+    python -m studies.reproduce --quick                          # every row for a few steps (CI)
 
 Every row is one config of the same engine (``vqlcmd.method`` plus switches; see ROWS), trained at the
 same budget (steps x batch) for each seed, then sampled class-conditionally (guidance ω from the config)
@@ -23,16 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-# The repository root replaces this script's folder on the path: runs from a source checkout without
-# install, and scripts/tokenize.py does not shadow the standard library's tokenize module.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.run import git_commit  # noqa: E402
-from vqlcmd.cli import json_object, non_negative_float, non_negative_int, positive_int, seed_int  # noqa: E402
-from vqlcmd.engine.checkpoint import atomic_write_text  # noqa: E402
-from vqlcmd.engine.config import load_config, parse_vqlcmd_section, resolve_config_path  # noqa: E402
+from benchmarks.run import git_commit
+from vqlcmd.cli import json_object, non_negative_float, non_negative_int, positive_int, seed_int
+from vqlcmd.engine.checkpoint import atomic_write_text
+from vqlcmd.engine.config import load_config, parse_vqlcmd_section, resolve_config_path
 
 # row name -> (label, vqlcmd-section overrides). VQ-LCMD rows also get --ns-shift (the "NS" of the paper).
 ROWS = {
@@ -146,7 +142,7 @@ def setup_id(args) -> str:
     """A digest of the settings besides the budget that change a run's results. A record is reused, and put
     in a table, only under the setup that made it: a rerun with another shift, model, image size or sample
     count took the old numbers under a header naming the new settings, and mixed two setups in one table.
-    Records written before it carry no setup and count as this one's (the committed ones in docs/)."""
+    Records written before it carry no setup and count as this one's (the committed ones in docs/archive/)."""
     config = json.loads(resolve_config_path(args.config).read_text())
     # as data, not bytes (re-indenting the file is no new setup), without what row_config sets for every run
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "bf16"):
@@ -729,7 +725,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", choices=["config", "false", "true", "auto"], default="config",
                    help="train in bf16 (auto: where the device has native bf16, see vqlcmd/engine/precision.py); "
                         "default: the base config's bf16.enabled (the digits configs: auto). The committed 16-token "
-                        "records in docs/ were made with --bf16 false (fp32)")
+                        "records in docs/archive/ were made with --bf16 false (fp32)")
     p.add_argument("--ns-shift", type=float, default=-1.0,
                    help="schedule shift of the VQ-LCMD rows (the paper's NS; 'w/o NS' uses 0)")
     p.add_argument("--per-class", type=positive_int, default=50, help="samples per class for each evaluation")
