@@ -193,7 +193,8 @@ def evaluate_inception(args) -> dict:
                          "(use --metrics fid,is, or a reference of images or saved with --save-ref)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        extractor = InceptionFeatures(args.inception_weights, device=device, batch_size=args.batch_size)
+        extractor = InceptionFeatures(args.inception_weights, device=device, batch_size=args.batch_size,
+                                      verify=not args.any_inception_weights)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(str(exc))
     _, batches = image_source(Path(args.samples), args.batch_size)
@@ -256,6 +257,9 @@ def main(argv=None) -> int:
     p.add_argument("--digits", action="store_true", help="digits metrics against the embedded real digits")
     p.add_argument("--inception-weights", default=None,
                    help="local weights-inception-2015-12-05-6726825d.pth (default $VQLCMD_INCEPTION_WEIGHTS)")
+    p.add_argument("--any-inception-weights", action="store_true",
+                   help="take Inception weights other than torch-fidelity's release (whose SHA-256 is checked "
+                        "otherwise), e.g. your own conversion; they are still loaded weights-only")
     p.add_argument("--metrics", type=choices_list(("fid", "is", "pr")), default=["fid", "is", "pr"],
                    help="comma-separated subset of fid, is, pr")
     p.add_argument("--k", type=positive_int, default=3, help="neighbourhood size for precision/recall")
