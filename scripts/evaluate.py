@@ -86,13 +86,39 @@ def folder_batches(files, batch_size: int):
 
 def load_npz(path: Path):
     """``np.load`` of an .npz, or a one-line error naming the file: numpy calls a file that is not a zip
-    "pickled data", and an empty or cut-off one raises EOFError or BadZipFile."""
+    "pickled data", and an empty or cut-off one raises EOFError or BadZipFile. Pickled (object) members are
+    never loaded: reading one is an error naming the file and the member."""
     import zipfile
 
     try:
-        return np.load(path)
+        return _PlainNpz(path, np.load(path, allow_pickle=False))
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise SystemExit(f"{path}: not a readable .npz ({type(exc).__name__}: {exc})") from None
+
+
+class _PlainNpz:
+    """An ``NpzFile`` whose member reads name the file when a member is a pickle (numpy's error names neither)."""
+
+    def __init__(self, path: Path, npz):
+        self.path, self.npz, self.files = path, npz, npz.files
+
+    def __getitem__(self, key):
+        try:
+            return self.npz[key]
+        except ValueError as exc:
+            if "allow_pickle" not in str(exc):
+                raise
+            raise SystemExit(f"{self.path}: {key!r} is an object array, stored as a pickle, which is never loaded "
+                             "(it could run code); save numeric arrays (uint8 images, int labels)") from None
+
+    def __contains__(self, key):
+        return key in self.npz
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.npz.close()
 
 
 def load_labels(source: Path, n: int):
