@@ -274,6 +274,37 @@ def evaluate_digits(args) -> dict:
     return out
 
 
+# what each number is, and which way is better, for the table
+_METRIC_NAMES = {"num_samples": "samples", "fid": "FID (lower)", "is": "Inception Score (higher)",
+                 "is_std": "Inception Score std", "precision": "precision (higher)", "recall": "recall (higher)",
+                 "accuracy": "class accuracy (higher)", "spread_ratio": "spread ratio (real: 1)"}
+
+
+def format_table(result: dict) -> str:
+    """The scalar results as aligned rows; a nested dict of the same metrics (``real_halves``: the real
+    digits' own halves, the floor at this many samples) as a second column."""
+    nested = {k: v for k, v in result.items() if isinstance(v, dict)}
+    columns = ["value", *(k.replace("_", " ") for k in nested)]
+    rows = []
+    for key, value in result.items():
+        if isinstance(value, (dict, list)):
+            continue
+        rows.append([_METRIC_NAMES.get(key, key), _cell(value), *(_cell(d.get(key)) for d in nested.values())])
+    width = [max(len(r[i]) for r in rows + [["metric", *columns]]) for i in range(len(columns) + 1)]
+    line = lambda cells: "  ".join(c.ljust(width[0]) if i == 0 else c.rjust(width[i]) for i, c in enumerate(cells))
+    return "\n".join([line(["metric", *columns]), line(["-" * w for w in width]), *map(line, rows)])
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4g}"
+    return str(value)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("samples", help="sample folder or .npz")
@@ -303,6 +334,7 @@ def main(argv=None) -> int:
 
     result = evaluate_digits(args) if args.digits else evaluate_inception(args)
     text = json.dumps(result, indent=2)
+    print(format_table(result), file=sys.stderr)  # for people; stdout stays the JSON that tools read
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")

@@ -180,3 +180,21 @@ def test_numbered_images_are_read_in_number_order(evaluate, tmp_path):
     (tmp_path / "².png").write_bytes(b"")  # isdigit but no int: not a number
     names = [p.name for p in evaluate.image_files(tmp_path)]
     assert names[:3] == ["100000.png", "100001.png", "1000000.png"] and set(names[3:]) == {"a.png", "²x.png", "².png"}
+
+
+def test_a_readable_table_goes_with_the_json(evaluate, tmp_path, capsys):
+    from vqlcmd.data.digits import digits_images
+
+    images, labels = digits_images(32)
+    arr = ((images[:200, 0] + 1) / 2 * 255).round().to(torch.uint8).numpy()
+    np.savez(tmp_path / "s.npz", arr_0=np.repeat(arr[..., None], 3, -1), arr_1=labels[:200].numpy())
+    assert evaluate.main([str(tmp_path / "s.npz"), "--digits"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # stdout is still exactly the JSON
+    lines = err.strip().splitlines()[-8:]
+    assert lines[0].split() == ["metric", "value", "real", "halves"] and set(lines[1]) == {"-", " "}
+    rows = {line.rsplit(None, 2)[0].strip(): line.rsplit(None, 2)[1:] for line in lines[2:]}
+    assert rows["samples"] == ["200", "200"]
+    assert rows["FID (lower)"] == [f"{result['fid']:.4f}", f"{result['real_halves']['fid']:.4f}"]
+    assert rows["class accuracy (higher)"] == [f"{result['accuracy']:.4f}", "-"]
+    assert rows["recall (higher)"][0] == f"{result['recall']:.4f}"
