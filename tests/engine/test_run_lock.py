@@ -86,3 +86,11 @@ def test_a_cleanly_released_lock_is_taken_without_a_takeover_line(tmp_path, proc
     (folder / LOCK_NAME).write_text("not json")  # a damaged file with a free lock: taken, nothing to name
     with RunLock(folder, log=logged.append):
         assert logged == []
+
+
+def test_a_dropped_lock_object_lets_go(tmp_path):
+    lock = RunLock(tmp_path / "run").acquire()
+    with pytest.raises(RunLockedError):  # flock is per open file: a second holder in one process is refused too
+        RunLock(tmp_path / "run").acquire()
+    del lock
+    assert RunLock(tmp_path / "run").acquire().held

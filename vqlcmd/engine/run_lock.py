@@ -96,6 +96,9 @@ class RunLock:
         finally:
             os.close(fd)  # (closing drops the flock)
 
+    def __del__(self):  # a dropped holder (a Trainer deleted before the next one in the same process) lets go
+        self.release()
+
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
