@@ -86,13 +86,39 @@ def folder_batches(files, batch_size: int):
 
 def load_npz(path: Path):
     """``np.load`` of an .npz, or a one-line error naming the file: numpy calls a file that is not a zip
-    "pickled data", and an empty or cut-off one raises EOFError or BadZipFile."""
+    "pickled data", and an empty or cut-off one raises EOFError or BadZipFile. Pickled (object) members are
+    never loaded: reading one is an error naming the file and the member."""
     import zipfile
 
     try:
-        return np.load(path)
+        return _PlainNpz(path, np.load(path, allow_pickle=False))
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise SystemExit(f"{path}: not a readable .npz ({type(exc).__name__}: {exc})") from None
+
+
+class _PlainNpz:
+    """An ``NpzFile`` whose member reads name the file when a member is a pickle (numpy's error names neither)."""
+
+    def __init__(self, path: Path, npz):
+        self.path, self.npz, self.files = path, npz, npz.files
+
+    def __getitem__(self, key):
+        try:
+            return self.npz[key]
+        except ValueError as exc:
+            if "allow_pickle" not in str(exc):
+                raise
+            raise SystemExit(f"{self.path}: {key!r} is an object array, stored as a pickle, which is never loaded "
+                             "(it could run code); save numeric arrays (uint8 images, int labels)") from None
+
+    def __contains__(self, key):
+        return key in self.npz
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.npz.close()
 
 
 def load_labels(source: Path, n: int):
@@ -193,7 +219,8 @@ def evaluate_inception(args) -> dict:
                          "(use --metrics fid,is, or a reference of images or saved with --save-ref)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        extractor = InceptionFeatures(args.inception_weights, device=device, batch_size=args.batch_size)
+        extractor = InceptionFeatures(args.inception_weights, device=device, batch_size=args.batch_size,
+                                      verify=not args.any_inception_weights)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(str(exc))
     _, batches = image_source(Path(args.samples), args.batch_size)
@@ -247,6 +274,37 @@ def evaluate_digits(args) -> dict:
     return out
 
 
+# what each number is, and which way is better, for the table
+_METRIC_NAMES = {"num_samples": "samples", "fid": "FID (lower)", "is": "Inception Score (higher)",
+                 "is_std": "Inception Score std", "precision": "precision (higher)", "recall": "recall (higher)",
+                 "accuracy": "class accuracy (higher)", "spread_ratio": "spread ratio (real: 1)"}
+
+
+def format_table(result: dict) -> str:
+    """The scalar results as aligned rows; a nested dict of the same metrics (``real_halves``: the real
+    digits' own halves, the floor at this many samples) as a second column."""
+    nested = {k: v for k, v in result.items() if isinstance(v, dict)}
+    columns = ["value", *(k.replace("_", " ") for k in nested)]
+    rows = []
+    for key, value in result.items():
+        if isinstance(value, (dict, list)):
+            continue
+        rows.append([_METRIC_NAMES.get(key, key), _cell(value), *(_cell(d.get(key)) for d in nested.values())])
+    width = [max(len(r[i]) for r in rows + [["metric", *columns]]) for i in range(len(columns) + 1)]
+    line = lambda cells: "  ".join(c.ljust(width[0]) if i == 0 else c.rjust(width[i]) for i, c in enumerate(cells))
+    return "\n".join([line(["metric", *columns]), line(["-" * w for w in width]), *map(line, rows)])
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4g}"
+    return str(value)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("samples", help="sample folder or .npz")
@@ -256,6 +314,9 @@ def main(argv=None) -> int:
     p.add_argument("--digits", action="store_true", help="digits metrics against the embedded real digits")
     p.add_argument("--inception-weights", default=None,
                    help="local weights-inception-2015-12-05-6726825d.pth (default $VQLCMD_INCEPTION_WEIGHTS)")
+    p.add_argument("--any-inception-weights", action="store_true",
+                   help="take Inception weights other than torch-fidelity's release (whose SHA-256 is checked "
+                        "otherwise), e.g. your own conversion; they are still loaded weights-only")
     p.add_argument("--metrics", type=choices_list(("fid", "is", "pr")), default=["fid", "is", "pr"],
                    help="comma-separated subset of fid, is, pr")
     p.add_argument("--k", type=positive_int, default=3, help="neighbourhood size for precision/recall")
@@ -273,6 +334,7 @@ def main(argv=None) -> int:
 
     result = evaluate_digits(args) if args.digits else evaluate_inception(args)
     text = json.dumps(result, indent=2)
+    print(format_table(result), file=sys.stderr)  # for people; stdout stays the JSON that tools read
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")

@@ -9,7 +9,8 @@ Image ``i`` is drawn with its own generator seeded from (``--seed``, i) and, for
 class ``i mod C`` (``--labels cycle``, balanced), a seeded random class (``--labels random``) or the
 classes given; rank r of W draws the images with i mod W = r. So the images do not depend on the
 number of ranks, and a run that stops part-way is continued by running the same command again:
-existing PNGs are kept, and ``OUT/manifest.json`` refuses a continuation with other settings.
+existing PNGs are kept, and ``OUT/manifest.json`` refuses a continuation with other settings. A larger ``-n``
+with the same settings adds the missing images (image i is the same whatever N is).
 
 ``--npz`` writes ``arr_0`` (N, H, W, 3) uint8 (grey images repeated to RGB) and, for conditional
 models, ``arr_1`` (N,) labels: the layout that the ADM evaluation suite and scripts/evaluate.py read.
@@ -41,8 +42,9 @@ import torch  # noqa: E402
 from vqlcmd.cli import add_threads_option, noise_interval, non_negative_float, positive_int  # noqa: E402
 
 MANIFEST = "manifest.json"
-# settings that change the images: a continuation must match them
-IMAGE_KEYS = ("weights_sha256", "num_samples", "seed", "labels", "num_steps", "guidance_scale", "sampler", "final",
+# settings that change the images: a continuation must match them (the count may grow: class_labels, which
+# depend on it, must then agree on the images both runs have)
+IMAGE_KEYS = ("weights_sha256", "seed", "labels", "num_steps", "guidance_scale", "sampler", "final",
               "dtype", "guidance_interval")  # (the last only where it is not every t: absent from older manifests)
 
 
@@ -214,19 +216,33 @@ def _manifest_error(out: Path, settings: dict) -> Optional[str]:
         except json.JSONDecodeError as exc:
             return f"{path} is not readable JSON ({exc}): delete it, with the images beside it, or use another --out"
         diff = {k: (old.get(k), settings.get(k)) for k in IMAGE_KEYS if old.get(k) != settings.get(k)}
+        old_labels, new_labels = old.get("class_labels"), settings.get("class_labels")
+        if old_labels is not None and new_labels is not None:
+            both = min(len(old_labels), len(new_labels))
+            first = next((i for i in range(both) if old_labels[i] != new_labels[i]), None)
+            if first is not None:  # (--labels random draws another sequence for another count)
+                diff[f"class_labels[{first}]"] = (old_labels[first], new_labels[first])
         if diff:
             return (f"{out} holds samples made with other settings {diff} (old, new); "
                     "use another --out or delete the folder")
+        if settings["num_samples"] > old.get("num_samples", 0):  # more of the same: the manifest covers them all
+            print(f"{out}: adding images {old.get('num_samples', 0)}..{settings['num_samples'] - 1} to the "
+                  f"{old.get('num_samples', 0)} made with these settings", file=sys.stderr)
+            _write_manifest(path, settings)
         return None
     # no manifest: images there were not made by this script, and would have been kept as samples
     foreign = sorted(f.name for f in out.glob("[0-9]" * 6 + "*.png") if f.stem.isdigit())  # (7 digits from 10^6)
     if foreign:
         return (f"{out} holds {len(foreign)} image(s) named like samples ({foreign[0]}, ...) but no {MANIFEST}: "
                 "not samples of this script; use another --out or empty it")
+    _write_manifest(path, settings)
+    return None
+
+
+def _write_manifest(path: Path, settings: dict) -> None:
     tmp = path.with_name(MANIFEST + ".tmp")
     tmp.write_text(json.dumps(settings, indent=1))
     os.replace(tmp, path)
-    return None
 
 
 def main(argv=None) -> int:

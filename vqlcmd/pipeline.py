@@ -25,6 +25,7 @@ from . import ops
 from .model import DenoiserConfig
 from .network import VQLCMDNetwork
 from .ops._checks import checked_guidance
+from .pipeline_call import diffusers_style, progress_bar_kwargs
 from .samplers import Generators, checked_interval, class_label_tensor, sample_tokens
 from .schedule import ShiftedCosineSchedule
 
@@ -48,7 +49,16 @@ def register_pipeline_class(method: str, cls: type) -> None:
     _PIPELINE_CLASSES[method] = cls
 
 
+# Not a diffusers.DiffusionPipeline: DiffusionPipeline.from_pretrained finds a folder's pipeline class by
+# looking its model_index.json name up in the diffusers package itself, so a class from here loads only as a
+# custom_pipeline, i.e. by running a Python file from the folder or the Hub, which a folder a user is handed
+# must never do. The call takes diffusers' arguments instead (pipeline_call.py).
 class VQLCMDPipeline:
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__call__" in cls.__dict__:  # a subclass's own sampler (MaskGITPipeline) takes the same arguments
+            cls.__call__ = diffusers_style(cls.__dict__["__call__"])
+
     def __init__(self, network: VQLCMDNetwork, schedule: ShiftedCosineSchedule, *, tokenizer=None,
                  tokenizer_ref: Optional[dict] = None, class_names: Optional[Sequence[str]] = None,
                  sample_defaults: Optional[dict] = None, extra_config: Optional[dict] = None):
@@ -60,6 +70,12 @@ class VQLCMDPipeline:
         self.sample_defaults = dict(sample_defaults or {})
         self.extra_config = dict(extra_config or {})
         self._sampling_denoiser, self.fast_mode = None, None
+        self._progress_bar_config = None
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        """tqdm arguments for the sampling progress bars (over the steps; over the images when there are several
+        batches), as in diffusers; calls then show progress unless ``disable=True`` (or ``progress=False``)."""
+        self._progress_bar_config = dict(kwargs)
 
     # ---- persistence --------------------------------------------------------------------------
     def save_pretrained(self, folder: Union[str, Path]) -> Path:
@@ -123,7 +139,15 @@ class VQLCMDPipeline:
 
     @classmethod
     def from_pretrained(cls, folder: Union[str, Path], *, device: Union[str, torch.device] = "cpu",
-                        dtype: torch.dtype = torch.float32, load_tokenizer: bool = True) -> "VQLCMDPipeline":
+                        dtype: Optional[torch.dtype] = None, load_tokenizer: bool = True,
+                        torch_dtype: Optional[torch.dtype] = None) -> "VQLCMDPipeline":
+        """``dtype`` (``torch_dtype``, diffusers' name): the weights' floating-point dtype, default float32."""
+        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree: two names for one setting; give one")
+        dtype = dtype or torch_dtype or torch.float32
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16 or "
+                            f"torch.float16), got {dtype!r}")
         folder = Path(folder)
         if not folder.is_dir():
             what = "is a file, not a folder" if folder.exists() else "does not exist"
@@ -242,6 +266,7 @@ class VQLCMDPipeline:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         return batch_size
 
+    @diffusers_style
     @torch.no_grad()
     def __call__(self, class_labels=None, *, num_images: Optional[int] = None, num_steps: Optional[int] = None,
                  guidance_scale: Optional[float] = None, sampler: Optional[str] = None,
@@ -284,14 +309,15 @@ class VQLCMDPipeline:
         if progress and n > batch_size:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=n, desc=f"{sampler} {num_steps} steps", unit="img")
+            bar = tqdm(total=n, **{"desc": f"{sampler} {num_steps} steps", "unit": "img", **progress_bar_kwargs(self)})
         chunks = []
         for start, stop, kw in self._chunks(labels, n, batch_size, generator):
             with self._autocast():  # the sampler only: the tokenizer decodes in its own dtype
                 tokens = sample_tokens(denoiser, table, self.schedule, num_steps=num_steps, sampler=sampler,
                                        guidance_scale=guidance_scale, final=final, backend=backend,
                                        guidance_interval=guidance_interval,
-                                       progress=progress and bar is None, **kw)
+                                       progress=(progress_bar_kwargs(self) or True) if progress and bar is None
+                                       else False, **kw)
             chunks.append(self._finish(tokens, output_type))
             if bar is not None:
                 bar.update(stop - start)

@@ -212,7 +212,7 @@ def sample_latents(
     generator: Generators = None,
     seq_len: Optional[int] = None,
     backend: str = "auto",
-    progress: bool = False,
+    progress: Union[bool, dict] = False,
     guidance_interval: Optional[Sequence[float]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the reverse process to t = 0: returns z_0 (B, M, D) and the (guided) log P(x | z_0; 0) (B, M, K).
@@ -242,10 +242,11 @@ def sample_latents(
     grid = torch.linspace(0.0, 1.0, num_steps + 1, device=device)
     z = randn((B, M, D), generator, device)
     steps = range(num_steps, 0, -1)
-    if progress:
+    if progress:  # True, or tqdm's arguments (a pipeline's set_progress_bar_config)
         from tqdm.auto import tqdm
 
-        steps = tqdm(steps, desc=f"{sampler} sampling", leave=False)
+        steps = tqdm(steps, **{"desc": f"{sampler} sampling", "leave": False,
+                               **(progress if isinstance(progress, dict) else {})})
     for n in steps:
         t = grid[n].expand(B)
         s = grid[n - 1].expand(B)

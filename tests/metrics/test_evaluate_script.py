@@ -1,5 +1,5 @@
 """scripts/evaluate.py: digits mode on real digits, Inception mode with weights the test makes (random,
-but in torch-fidelity's file format), and the errors for missing weights."""
+but in torch-fidelity's file format: conftest.py), and the errors for missing weights."""
 import json
 
 import numpy as np
@@ -10,25 +10,6 @@ import torch
 @pytest.fixture(scope="module")
 def evaluate(load_script):
     return load_script("evaluate")
-
-
-@pytest.fixture(scope="module")
-def inception_weights(tmp_path_factory):
-    """A randomly initialised torch-fidelity Inception-v3 saved as its weights file (none can be downloaded)."""
-    import torch_fidelity.feature_extractor_inceptionv3 as fe
-
-    cls = fe.FeatureExtractorInceptionV3
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fe, "load_state_dict_from_url", lambda *a, **k: {})
-        mp.setattr(cls, "load_state_dict", lambda self, sd, *a, **k: None)
-        torch.manual_seed(0)
-        net = cls("inception-v3-compat", ["2048"])
-    for m in net.modules():  # He init keeps activations O(1) through the ~20 layers (the default shrinks them)
-        if isinstance(m, torch.nn.Conv2d):
-            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
-    path = tmp_path_factory.mktemp("inception") / "weights-inception-2015-12-05-6726825d.pth"
-    torch.save(net.state_dict(), path)
-    return path
 
 
 def _write_pngs(folder, images):
@@ -94,7 +75,7 @@ def test_inception_mode_fid_is_pr(evaluate, inception_weights, tmp_path):
     np.savez(tmp_path / "samples.npz", arr_0=samples)
     _write_pngs(tmp_path / "same", samples)
     np.savez(tmp_path / "other.npz", arr_0=other)
-    w = ["--inception-weights", str(inception_weights), "--splits", "2", "--batch-size", "8"]
+    w = ["--inception-weights", str(inception_weights), "--any-inception-weights", "--splits", "2", "--batch-size", "8"]
     evaluate.main([str(tmp_path / "samples.npz"), "--ref", str(tmp_path / "same"), *w, "--json",
                    str(tmp_path / "same.json"), "--save-ref", str(tmp_path / "stats.npz")])
     same = json.loads((tmp_path / "same.json").read_text())
@@ -124,7 +105,7 @@ def test_a_class_folder_tree_of_other_sizes_is_a_reference(evaluate, inception_w
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(a).save(folder / f"{i}.png")
     Image.fromarray(samples[0]).resize((48, 60)).save(tmp_path / "tree" / "a" / "big.png")
-    w = ["--inception-weights", str(inception_weights), "--splits", "2", "--batch-size", "8"]
+    w = ["--inception-weights", str(inception_weights), "--any-inception-weights", "--splits", "2", "--batch-size", "8"]
     evaluate.main([str(tmp_path / "samples.npz"), "--ref", str(tmp_path / "tree"), *w, "--json",
                    str(tmp_path / "r.json"), "--metrics", "fid,pr"])
     assert "read as an image tree, each image resized and centre-cropped to the samples' 24x24" in \
@@ -179,8 +160,11 @@ def test_bad_inputs_are_refused_before_any_image_is_encoded(evaluate, tmp_path, 
             evaluate.main([str(tmp_path / "s.npz"), flag, value])
         assert exc.value.code == 2 and flag in capsys.readouterr().err
     (tmp_path / "garbage.pth").write_bytes(b"not a checkpoint")
-    with pytest.raises(SystemExit, match="is not torch-fidelity's Inception-v3"):
+    with pytest.raises(SystemExit, match=r"garbage\.pth: SHA-256 [0-9a-f]{64} is not that of torch-fidelity's"):
         evaluate.main([str(tmp_path / "s.npz"), "--metrics", "is", "--inception-weights", str(tmp_path / "garbage.pth")])
+    with pytest.raises(SystemExit, match="garbage.pth is not torch-fidelity's Inception-v3"):
+        evaluate.main([str(tmp_path / "s.npz"), "--metrics", "is", "--inception-weights", str(tmp_path / "garbage.pth"),
+                       "--any-inception-weights"])
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     Image.new("L", (32, 32)).save(mixed / "a.png")
@@ -196,3 +180,21 @@ def test_numbered_images_are_read_in_number_order(evaluate, tmp_path):
     (tmp_path / "².png").write_bytes(b"")  # isdigit but no int: not a number
     names = [p.name for p in evaluate.image_files(tmp_path)]
     assert names[:3] == ["100000.png", "100001.png", "1000000.png"] and set(names[3:]) == {"a.png", "²x.png", "².png"}
+
+
+def test_a_readable_table_goes_with_the_json(evaluate, tmp_path, capsys):
+    from vqlcmd.data.digits import digits_images
+
+    images, labels = digits_images(32)
+    arr = ((images[:200, 0] + 1) / 2 * 255).round().to(torch.uint8).numpy()
+    np.savez(tmp_path / "s.npz", arr_0=np.repeat(arr[..., None], 3, -1), arr_1=labels[:200].numpy())
+    assert evaluate.main([str(tmp_path / "s.npz"), "--digits"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # stdout is still exactly the JSON
+    lines = err.strip().splitlines()[-8:]
+    assert lines[0].split() == ["metric", "value", "real", "halves"] and set(lines[1]) == {"-", " "}
+    rows = {line.rsplit(None, 2)[0].strip(): line.rsplit(None, 2)[1:] for line in lines[2:]}
+    assert rows["samples"] == ["200", "200"]
+    assert rows["FID (lower)"] == [f"{result['fid']:.4f}", f"{result['real_halves']['fid']:.4f}"]
+    assert rows["class accuracy (higher)"] == [f"{result['accuracy']:.4f}", "-"]
+    assert rows["recall (higher)"][0] == f"{result['recall']:.4f}"

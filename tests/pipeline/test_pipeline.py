@@ -113,7 +113,7 @@ def test_errors_name_the_problem(tiny_pipeline, tmp_path):
     with pytest.raises(ValueError, match="one per image"):
         tiny_pipeline([0, 1], generator=image_generators([1]))
     with pytest.raises(ValueError, match="output_type"):
-        tiny_pipeline([0], output_type="np")
+        tiny_pipeline([0], output_type="numpy")  # ("np" is diffusers' NHWC array: test_diffusers_style.py)
     with pytest.raises(FileNotFoundError, match="missing model.safetensors"):
         VQLCMDPipeline.from_pretrained(tmp_path)
     # 0 steps silently sampled the default 50, and a negative or NaN ω silently meant no guidance
@@ -300,11 +300,14 @@ def test_a_backend_that_cannot_serve_the_sampler_is_refused_up_front(tiny_pipeli
             tiny_pipeline([0], num_steps=2, output_type="tokens", backend="triton")
 
 
-def test_class_names_as_labels_get_a_message_that_says_labels_are_ids(tiny_pipeline):
-    # torch's own words were "too many dimensions 'str'"
+def test_class_names_as_labels_map_to_ids_and_other_labels_get_a_message(tiny_pipeline):
+    # torch's own words were "too many dimensions 'str'"; names now map through class_names
+    # (test_diffusers_style.py), and what is neither a name nor an id still gets the message
     assert tiny_pipeline.class_names == list("abcd")
+    assert torch.equal(tiny_pipeline(["b"], output_type="tokens", num_steps=2, generator=G()),
+                       tiny_pipeline([1], output_type="tokens", num_steps=2, generator=G()))
     with pytest.raises(ValueError, match=r"class_labels must be integer class ids \(a pipeline's class_names"):
-        tiny_pipeline(["b"], output_type="tokens")
+        tiny_pipeline([[0, 1], [2]], output_type="tokens")
 
 
 def test_a_missing_tokenizer_folder_says_how_to_go_on(tiny_pipeline, tmp_path):

@@ -298,3 +298,34 @@ def test_every_rank_must_have_loaded_the_same_weights(tmp_path, digests, said):
     mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), _same_on_every_rank, digests, results), nprocs=2,
              join=True)
     assert said in results[0] and results[1] == results[0]
+
+
+def test_a_larger_n_adds_the_missing_images_and_other_settings_are_refused_by_name(sample_script, pipe_dir,
+                                                                                  tmp_path, capsys):
+    def args(out, n, *extra):
+        return ["--pipeline", str(pipe_dir), "--out", str(out), "-n", str(n), "--num-steps", "2", "--batch-size",
+                "32", "--no-progress", *extra]
+
+    out = tmp_path / "grown"
+    sample_script.main(args(out, 100))
+    first = _read(out)
+    kept = (out / "000099.png").stat().st_mtime_ns
+    capsys.readouterr()
+    sample_script.main(args(out, 120, "--npz", str(tmp_path / "grown.npz")))
+    printed = capsys.readouterr()
+    assert "sampled 20 new images (100 kept)" in printed.out and "adding images 100..119" in printed.err
+    grown = _read(out)
+    assert len(grown) == 120 and {k: grown[k] for k in first} == first
+    assert (out / "000099.png").stat().st_mtime_ns == kept
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_samples"] == 120 and manifest["class_labels"] == [i % 4 for i in range(120)]
+    sample_script.main(args(tmp_path / "fresh", 120))  # the same 120 as one run makes
+    assert _read(tmp_path / "fresh") == grown
+    assert np.load(tmp_path / "grown.npz")["arr_0"].shape == (120, 16, 16, 3)
+    with pytest.raises(SystemExit, match=r"other settings \{'num_steps': \(2, 3\)\}"):
+        sample_script.main(args(out, 140, "--num-steps", "3"))
+    with pytest.raises(SystemExit, match=r"other settings \{'labels': \('cycle', '1'\), 'class_labels\[0\]': \(0, 1\)\}"):
+        sample_script.main(args(out, 140, "--labels", "1"))
+    assert len(_read(out)) == 120 and json.loads((out / "manifest.json").read_text())["num_samples"] == 120
+    sample_script.main(args(out, 50))  # fewer: nothing to make, the manifest still covers all 120
+    assert json.loads((out / "manifest.json").read_text())["num_samples"] == 120

@@ -5,14 +5,19 @@ numbers, and the ADM evaluation suite, use), including its TF-compatible resize 
 weights cannot be downloaded here: give the file ``weights-inception-2015-12-05-6726825d.pth``
 (torch-fidelity's release asset) by path or through ``$VQLCMD_INCEPTION_WEIGHTS``.
 
+The file is checked against its known SHA-256 and then loaded weights-only, here: torch-fidelity's own
+loader reads a given file with ``torch.load(weights_only=False)``, which runs whatever the file's pickle
+asks for. Its feature extractor is built around the already-loaded state dict, so it reads nothing itself.
+
 Features: ``pool`` (N, 2048), the pool_3 layer used for FID and precision/recall, and ``logits``
 (N, 1008), the unbiased logits used for the Inception Score. The metric math is ``stats.py``.
 """
 from __future__ import annotations
 
-import pickle
-
+import hashlib
 import os
+import pickle
+import threading
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -21,6 +26,14 @@ import torch
 
 WEIGHTS_FILE = "weights-inception-2015-12-05-6726825d.pth"
 ENV = "VQLCMD_INCEPTION_WEIGHTS"
+# The release asset's SHA-256, as recorded by users of torch-fidelity; its first eight digits are the name's
+# "6726825d" (torch hub's naming convention for a file's hash prefix). torch-fidelity itself checks no hash.
+WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb9129b2"
+FEATURES = ["2048", "logits_unbiased"]
+
+
+class UnsafeWeightsError(ValueError):
+    """The weights file asks for more than tensors and containers (a pickled call); nothing from it ran."""
 
 
 def inception_weights_path(path: Optional[Union[str, Path]] = None) -> Path:
@@ -41,17 +54,13 @@ class InceptionFeatures:
     """Callable: uint8 images (N, 3, H, W) (or (N, 1, H, W), repeated to RGB) -> dict(pool, logits) numpy."""
 
     def __init__(self, weights: Optional[Union[str, Path]] = None, device: Union[str, torch.device] = "cpu",
-                 batch_size: int = 64):
+                 batch_size: int = 64, verify: bool = True):
+        """``verify``: check the file's SHA-256 against torch-fidelity's release (``WEIGHTS_SHA256``); False
+        for weights of one's own in the same format (still loaded weights-only)."""
         path = inception_weights_path(weights)
-        try:
-            from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-        except ImportError as exc:
-            raise ImportError("Inception metrics need torch-fidelity: pip install torch-fidelity") from exc
-        try:
-            self.net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
-                                                   feature_extractor_weights_path=str(path), verbose=False)
-        except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:  # another checkpoint, or not one
-            raise ValueError(f"{path} is not torch-fidelity's Inception-v3 ({WEIGHTS_FILE}): {exc}") from exc
+        if verify:
+            check_weights_hash(path)
+        self.net = feature_extractor(load_inception_state(path), source=path)
         self.device = torch.device(device)
         self.net.to(self.device)
         self.batch_size = batch_size
@@ -66,6 +75,66 @@ class InceptionFeatures:
         if not pools:
             raise ValueError("no images to compute Inception features of")
         return {"pool": np.concatenate(pools), "logits": np.concatenate(logits)}
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_weights_hash(path: Path) -> None:
+    got = file_sha256(path)
+    if got != WEIGHTS_SHA256:
+        raise ValueError(f"{path}: SHA-256 {got} is not that of torch-fidelity's {WEIGHTS_FILE} ({WEIGHTS_SHA256}): "
+                         "another or a damaged file, and FID against published numbers needs that one; for Inception "
+                         "weights of your own in its format, pass --any-inception-weights (verify=False)")
+
+
+def load_inception_state(path: Path) -> dict:
+    """The weights file's state dict, loaded weights-only (tensors and containers; no pickled call runs)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message names the refused global, then suggests allowlisting it: only the global is kept
+        found = [ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln]
+        if not found:  # no pickle, or opcodes a weights file never holds: refused all the same, nothing ran
+            raise ValueError(f"{path} is not torch-fidelity's Inception-v3 ({WEIGHTS_FILE}): a weights-only load "
+                             f"refused it ({str(exc).strip().splitlines()[-1][:200]})") from None
+        raise UnsafeWeightsError(f"{path}: refused to load, it is not a plain weights file "
+                                 f"({found[0].split(' was not')[0]}); nothing from it was run. Use torch-fidelity's "
+                                 f"{WEIGHTS_FILE}") from None
+    except (RuntimeError, ValueError, EOFError, OSError) as exc:  # not a torch.save file at all
+        raise ValueError(f"{path} is not torch-fidelity's Inception-v3 ({WEIGHTS_FILE}): {exc}") from exc
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise ValueError(f"{path} is not torch-fidelity's Inception-v3 ({WEIGHTS_FILE}): it holds a "
+                         f"{type(state).__name__}, not a state dict of tensors")
+    return state
+
+
+_building = threading.Lock()
+
+
+def feature_extractor(state: dict, source="the state dict"):
+    """torch-fidelity's ``FeatureExtractorInceptionV3`` (the TF-compatible FID Inception) with ``state`` as its
+    weights. Its constructor loads weights itself, from a path with ``weights_only=False`` or from its URL;
+    the URL fetch (``load_state_dict_from_url``, looked up in its module) is swapped for one that hands over
+    ``state``, so nothing is read or downloaded."""
+    try:
+        import torch_fidelity.feature_extractor_inceptionv3 as fe
+    except ImportError as exc:
+        raise ImportError("Inception metrics need torch-fidelity: pip install torch-fidelity") from exc
+    with _building:
+        fetch = fe.load_state_dict_from_url
+        fe.load_state_dict_from_url = lambda url, **kw: state
+        try:
+            return fe.FeatureExtractorInceptionV3("inception-v3-compat", FEATURES, verbose=False)
+        except RuntimeError as exc:  # load_state_dict: other keys or shapes
+            raise ValueError(f"{source} is not torch-fidelity's Inception-v3 ({WEIGHTS_FILE}): {exc}") from exc
+        finally:
+            fe.load_state_dict_from_url = fetch
 
 
 def as_uint8_nchw(images: Union[torch.Tensor, np.ndarray]) -> torch.Tensor:

@@ -112,6 +112,13 @@ def load_vqmodel(path: str | os.PathLike):
     try:
         model, info = VQModel.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
                                               low_cpu_mem_usage=is_accelerate_available())
+    except OSError as exc:  # diffusers' "Unable to load weights" hides why; its .bin load is weights-only
+        refused = _refused_global(exc)
+        if refused is None:
+            raise
+        raise ValueError(f"tokenizer folder {str(folder)!r}: a weights file asks for {refused}, which a weights-only "
+                         f"load refuses ({exc}); nothing from it was run. Use a folder this project or diffusers "
+                         "wrote") from None
     except RuntimeError as exc:  # torch's size mismatch on loading names neither folder nor file
         said = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
         if not said:
@@ -126,6 +133,20 @@ def load_vqmodel(path: str | os.PathLike):
         raise ValueError(f"tokenizer folder {str(folder)!r}: the weights do not fit its config.json ("
                          + "; ".join(f"{k.replace('_', ' ')}: {list(v)[:5]}" for k, v in problems.items()) + ")")
     return model
+
+
+def _refused_global(exc: BaseException):
+    """The global that torch's weights-only unpickler refused, somewhere in ``exc``'s chain, else None."""
+    import re
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        if found:
+            return found.group(1)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def load_tokenizer(path: str | os.PathLike, device="cpu") -> VQModelTokenizer:
