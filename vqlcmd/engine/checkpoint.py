@@ -2,6 +2,7 @@
 resume changed. The folder layout, publishing and verification are ``checkpoint_folder``'s."""
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,7 +15,10 @@ from ..methods import get_method
 from .checkpoint_folder import (CheckpointError, atomic_write_text, commit, latest_tag,  # noqa: F401
                                 resumable_checkpoint, tag_for, unreadable, verify_checkpoints_cli)
 from .config import ConfigError
+from .distributed import RankSetupError
 from .ds_config import zero_stage
+from .run_lock import RunLock, RunLockedError
+from .safe_load import UnsafeCheckpointError, inert_deepspeed_loads, load_rank_state
 
 
 def _setup(key: str, section):
@@ -52,6 +56,14 @@ class Resumed:
     client: dict  # what save() gave DeepSpeed's client_state: step, EMAs, config
     rank_state: dict  # this rank's loader position and RNG states
 
+    def restore_rank_state(self, loader, generator: torch.Generator) -> None:
+        state = self.rank_state
+        loader.load_state_dict(state["loader"])
+        generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+
 
 class CheckpointManager:
     """A run's checkpoints: what a resume must match, save, load, and the settings a resume changed.
@@ -63,6 +75,7 @@ class CheckpointManager:
     def __init__(self, out_dir: Path, *, rank: int, world: int, keep: int, resume: bool, log=print):
         self.out_dir, self.ckpt_dir = out_dir, out_dir / "checkpoints"
         self.rank, self.world, self.keep, self.resume, self.log = rank, world, keep, resume, log
+        self.lock = None  # rank 0's RunLock, from claim() until release()
 
     def latest(self) -> Optional[str]:
         return latest_tag(self.ckpt_dir)
@@ -88,8 +101,6 @@ class CheckpointManager:
         """A run resumes what ``output_dir`` holds, or refuses to start there: a fresh run would write its
         checkpoints beside the earlier run's, and pruning by step number, or the next resume, would then
         take the wrong ones. ``data``: the run's data identity (``distributed.data_identity``)."""
-        if self.resume:
-            self.fall_back_to_verified()
         tag = self.latest()
         if tag is None:
             return
@@ -98,24 +109,43 @@ class CheckpointManager:
                               f"{tag}); choose another train.output_dir, or move that folder away")
         self.check_resumable(self.ckpt_dir / tag, ds, cfg, bf16, data)
 
-    def fall_back_to_verified(self) -> None:
-        """Rank 0 verifies the newest checkpoint against its manifest and sets aside those that fail
-        (``resumable_checkpoint``); every rank then sees ``latest`` name the one that verified, or stops with
-        the same one-line error naming the damaged file."""
+    def claim(self) -> None:
+        """Rank 0 takes the folder's run lock (one run per folder: ``run_lock``) and, resuming, verifies the
+        newest checkpoint against its manifest, setting aside those that fail (``resumable_checkpoint``).
+        Every rank then sees ``latest`` name the one that verified, or stops with rank 0's one-line error."""
         import torch.distributed as dist
 
-        error = None
+        error = caught = None
         if self.rank == 0:
             try:
-                resumable_checkpoint(self.ckpt_dir, log=self.log)
-            except CheckpointError as exc:
-                error = str(exc)
+                self.lock = RunLock(self.out_dir, log=self.log).acquire()
+                if self.resume:
+                    resumable_checkpoint(self.ckpt_dir, log=self.log)
+            except (CheckpointError, RunLockedError) as exc:
+                caught, error = exc, str(exc)
         if dist.is_available() and dist.is_initialized():
             box = [error]
             dist.broadcast_object_list(box, src=0)
             error = box[0]
+        if caught is not None:
+            raise caught
         if error:
-            raise CheckpointError(error)
+            raise RankSetupError(f"rank 0 stopped: {error}")
+
+    @contextlib.contextmanager
+    def held(self):
+        """The run lock held until the block ends (taken again for a trainer that trains on after a return)."""
+        if self.rank == 0 and self.lock is None:
+            self.lock = RunLock(self.out_dir, log=self.log).acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def check_resumable(self, folder: Path, ds: dict, cfg, bf16: bool, data: dict) -> None:
         """What a resume would otherwise fail on deep inside DeepSpeed or the loader, named up front.
@@ -213,8 +243,11 @@ class CheckpointManager:
             return None
         folder = self.ckpt_dir / tag
         self.check_resumable(folder, ds, cfg, bf16, data)
-        try:
-            _, client = engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+        try:  # every file DeepSpeed reads, weights-only: a file a user was handed runs no code
+            with inert_deepspeed_loads(engine):
+                _, client = engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+        except UnsafeCheckpointError as exc:  # named, and nothing ran: no "truncated or corrupt" advice
+            raise CheckpointError(str(exc)) from exc
         except Exception as exc:  # a truncated or corrupt file: DeepSpeed/torch name neither the file nor a way out
             raise CheckpointError(unreadable(folder, exc)) from exc
         if client is None:
@@ -224,7 +257,9 @@ class CheckpointManager:
             raise RuntimeError(f"{rank_file} is missing: the checkpoint was written by a run with a different "
                                "number of ranks; resume with the same world size")
         try:
-            state = torch.load(rank_file, weights_only=True)
+            state = load_rank_state(rank_file)
+        except UnsafeCheckpointError as exc:
+            raise CheckpointError(str(exc)) from exc
         except Exception as exc:
             raise CheckpointError(unreadable(folder, exc)) from exc
         return Resumed(folder, int(client["step"]), client, state)

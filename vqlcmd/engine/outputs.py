@@ -87,3 +87,10 @@ def sample_grid(pipe, cfg, num_classes: int, path: Path, device, tb=None, step: 
 
         tb.add_image("samples", make_grid(images, nrow=s.per_class), step)
     return pipe.sample_defaults["num_steps"] if steps is None else steps
+
+
+def untouched_rng(device):
+    """Work outside training (loading the tokenizer initialises modules from the global generator) runs in a
+    fork of the global RNG: attention dropout draws from it, and a run that wrote a checkpoint or a preview
+    must go on exactly as a run resumed from that checkpoint, and as one that wrote neither."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])

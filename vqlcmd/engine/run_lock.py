@@ -20,11 +20,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+from .config import ConfigError
+
 LOCK_NAME = ".run.lock"
 
 
-class RunLockedError(RuntimeError):
-    """Another live run holds the output folder."""
+class RunLockedError(ConfigError):
+    """Another live run holds the output folder (a ConfigError: the command must name another folder, or wait)."""
 
     def __init__(self, folder: Path, holder: dict):
         who = describe(holder) if holder else "a run that has not yet written its name"

@@ -18,7 +18,8 @@ from .data import check_data_paths
 from .distributed import data_identity, init_distributed
 from .ds_config import build_ds_config, zero_stage
 from .host_memory import keep_freed_memory
-from .outputs import MetricsLog, build_pipeline, sample_grid
+from .metrics_log import truncate_metrics
+from .outputs import MetricsLog, build_pipeline, sample_grid, untouched_rng
 from .signals import TrainingInterrupted, signal_name, stop_on_signals
 from .step import NonFiniteLossError, TrainStep
 
@@ -43,6 +44,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.out_dir, rank=self.rank, world=self.world,
                                              keep=t.keep_checkpoints, resume=t.resume, log=self.log)
         self.ckpt_dir = self.checkpoints.ckpt_dir
+        self.checkpoints.claim()  # one run per folder; the newest checkpoint that verifies
 
         self.data = build_data(cfg, self.rank, self.local_rank, self.device, self.log, progress)
         self.dataset, self.header, self.tokenizer_dir = self.data.source.dataset, self.data.header, self.data.tokenizer_dir
@@ -100,6 +102,10 @@ class Trainer:
         """Train to ``train.steps`` (or stop early at step ``until``, saving a checkpoint there, as a
         preempted job would); resumes from the latest checkpoint when ``train.resume``. SIGINT / SIGTERM stop
         it at the next step boundary with a checkpoint: :class:`TrainingInterrupted`."""
+        with self.checkpoints.held():  # the folder is this run's until it returns
+            return self._train(progress, until)
+
+    def _train(self, progress: bool, until: Optional[int]) -> list[dict]:
         from tqdm.auto import tqdm
 
         cfg = self.cfg.train
@@ -193,10 +199,7 @@ class Trainer:
                               self.device, record)
 
     def _untouched_rng(self):
-        """Work outside training (loading the tokenizer initialises modules from the global generator) runs in a
-        fork of the global RNG: attention dropout draws from it, and a run that wrote a checkpoint or a preview
-        must go on exactly as a run resumed from that checkpoint, and as one that wrote neither."""
-        return torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+        return untouched_rng(self.device)
 
     def _export_pipeline(self) -> None:
         with self._untouched_rng():
@@ -240,11 +243,8 @@ class Trainer:
                                             self.cfg)
         self._checkpoint_config, self.resumes = self.checkpoints.record_resume(
             resumed.folder, self.resolved_config, self.step, self.cfg.train.steps)
-        state = resumed.rank_state
-        self.loader.load_state_dict(state["loader"])
-        self.generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        if state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"])
+        if self.rank == 0 and truncate_metrics(self.out_dir / "metrics.jsonl", self.step):
+            self.log(f"metrics.jsonl: the rows after step {self.step} (trained again now) are dropped")
+        resumed.restore_rank_state(self.loader, self.generator)
         self.log(f"resumed from {resumed.folder} at step {self.step}")
         return True
