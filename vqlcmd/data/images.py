@@ -52,7 +52,7 @@ def list_images(root, *, check: str = "header") -> ImageList:
     should not stop a tokenization run; the warning and ``ImageList.skipped`` make the loss visible.
     A file whose header is fine but whose pixel data is truncated then fails at decoding, with an
     error naming it (both pipelines), unless ``check="decode"`` (decode everything up front, slower)
-    skipped it too; scripts/tokenize.py and the online loader skip it then, by name (``skipping.py``).
+    skipped it too; vqlcmd-tokenize and the online loader skip it then, by name (``skipping.py``).
     ``check="none"`` trusts the tree.
     """
     if check not in ("none", "header", "decode"):
@@ -155,7 +155,7 @@ def image_batches(images: ImageList, size: int, batch_size: int, *, flip: str = 
     """Batches ``(images (B, channels, size, size) float32 in [-1, 1], labels (B,) int64)`` in list order.
 
     ``backend``: "dali", "pil" or "auto" (DALI when installed). ``flip``: "none", "always" (the flipped
-    copies of scripts/tokenize.py --flip) or "random" (a fresh coin per image, drawn from ``seed``).
+    copies of vqlcmd-tokenize --flip) or "random" (a fresh coin per image, drawn from ``seed``).
     """
     if flip not in FLIP_MODES:
         raise ValueError(f"flip must be one of {FLIP_MODES}, got {flip!r}")
