@@ -48,7 +48,7 @@ def _launcher_env_restored():
 
 @pytest.fixture(scope="session")
 def load_script():
-    """``load_script("sample")``: scripts/sample.py as a module, to call its ``main(argv)`` in-process (the
+    """``load_script("digits_table")``: scripts/digits_table.py as a module, to call its ``main(argv)`` in-process (the
     scripts are files, not a package)."""
     scripts = Path(__file__).resolve().parents[1] / "scripts"
 

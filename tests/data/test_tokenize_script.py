@@ -1,4 +1,5 @@
-"""vqlcmd-tokenize (scripts/tokenize_images.py): a JPEG tree -> shards (+ flipped copies), restartable; run as a real script once."""
+"""vqlcmd-tokenize (scripts/tokenize_images.py): a JPEG tree -> shards (+ flipped copies), restartable; run as a
+real script once."""
 import importlib
 import os
 import subprocess

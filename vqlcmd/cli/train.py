@@ -45,7 +45,8 @@ def _set(section: dict, dotted: str, value: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="config file: a path or the name of a shipped config (configs/)")
+    parser.add_argument("--config", required=True,
+                        help="config file: a path or the name of a shipped config (configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a vqlcmd key, e.g. --set train.steps=200 --set loss.beta_cm=0, or a "
                              "DeepSpeed one: --set train_batch_size=16 --set zero_optimization.stage=1")
