@@ -4,7 +4,7 @@ Cases (all on data this stage writes to a temporary folder):
 - ``shard loader``: one ``ShardLoader`` batch (random rows of memory-mapped uint16 shards -> int64),
   samples/s. Baseline of ``train batches``.
 - ``decode+resize``: one pass of the image pipeline over a JPEG tree, images/s (``pil`` baseline, ``dali``).
-- ``tokenize``: the same pass plus the tokenizer's encode, as scripts/tokenize.py runs it, images/s.
+- ``tokenize``: the same pass plus the tokenizer's encode, as vqlcmd-tokenize runs it, images/s.
 - ``train batches``: one training batch from shards vs from online mode (images -> DALI -> tokenizer
   per batch), samples/s: what online mode costs per step.
 The tokenizer is a randomly initialised small VQModel (3 channels; speed does not depend on its weights).

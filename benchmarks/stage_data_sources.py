@@ -2,7 +2,7 @@
 
 Cases (on a JPEG tree this stage writes to a temporary folder, and the shards tokenized from it):
 - ``epoch`` / ``shards`` (baseline): one epoch of training batches from the ``ShardLoader`` over the
-  shards ``write_token_shards`` wrote from the tree (as ``scripts/tokenize.py``), with ``data.source: "shards"``.
+  shards ``write_token_shards`` wrote from the tree (as ``vqlcmd-tokenize``), with ``data.source: "shards"``.
 - ``epoch`` / ``online-dali`` (``online-pil`` without DALI): one epoch from the ``OnlineTokenLoader`` over
   the tree itself, ``data.source: "images"``: decode (DALI's ``mixed`` GPU decoder on CUDA), random flip,
   encode with the tokenizer on the device. Both rows share a shape, so the speed-up column pairs them.

@@ -13,6 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Subprocesses (``python scripts/train.py``, the launchers' ranks) import the tree under test, as this process
+# does, rather than whichever copy of vqlcmd is installed.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH")) if p)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -43,7 +48,7 @@ def _launcher_env_restored():
 
 @pytest.fixture(scope="session")
 def load_script():
-    """``load_script("sample")``: scripts/sample.py as a module, to call its ``main(argv)`` in-process (the
+    """``load_script("digits_table")``: scripts/digits_table.py as a module, to call its ``main(argv)`` in-process (the
     scripts are files, not a package)."""
     scripts = Path(__file__).resolve().parents[1] / "scripts"
 

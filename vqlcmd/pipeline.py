@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import hashlib
+import importlib
 import os
 import shutil
 from pathlib import Path
@@ -40,13 +41,10 @@ FAST_MODES = ("compile", "cudagraphs")
 DECODE_BATCH = 16
 
 
-# method name -> the pipeline class that samples it, filled by vqlcmd.methods as each method registers (here,
-# not looked up in vqlcmd.methods, whose methods import this module)
+# method -> its pipeline class, filled as vqlcmd.methods registers them (from_pretrained loads that package by
+# name when needed: its methods import this module, so this one does not import it)
 _PIPELINE_CLASSES: dict = {}
-
-
-def register_pipeline_class(method: str, cls: type) -> None:
-    _PIPELINE_CLASSES[method] = cls
+register_pipeline_class = _PIPELINE_CLASSES.__setitem__  # (method, class)
 
 
 # Not a diffusers.DiffusionPipeline: DiffusionPipeline.from_pretrained finds a folder's pipeline class by
@@ -166,6 +164,8 @@ class VQLCMDPipeline:
         # the folder says which sampler its model was trained for: a MaskGIT model (trained on [mask] ids at
         # t = 0) gives noise through the diffusion samplers, and a diffusion model cannot unmask
         method = config.get("method", "vqlcmd")
+        if method not in _PIPELINE_CLASSES:  # the methods register their classes as vqlcmd.methods loads
+            importlib.import_module("vqlcmd.methods")
         saved_cls = _PIPELINE_CLASSES.get(method, VQLCMDPipeline)
         if issubclass(saved_cls, cls):
             cls = saved_cls

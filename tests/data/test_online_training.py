@@ -1,5 +1,5 @@
 """scripts/train.py's engine on ``data.source: "images"``: the image tree decoded (DALI), flipped and encoded every
-epoch, against the shards scripts/tokenize.py writes from the same tree; resume; bad input."""
+epoch, against the shards vqlcmd-tokenize writes from the same tree; resume; bad input."""
 import json
 import warnings
 
@@ -23,13 +23,13 @@ N = 28  # 3 batches of 8 per epoch (4 images left over: drop_last)
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, load_script):
     """A 4-class JPEG tree, a 16-code tokenizer fitting the tiny preset (16 px -> 4x4 tokens), and the shards
-    scripts/tokenize.py writes from them: plain, and with --flip."""
+    vqlcmd-tokenize writes from them: plain, and with --flip."""
     base = tmp_path_factory.mktemp("online_train")
     tree = write_tree(base / "images", classes=CLASSES, sizes=(SIZES * 4)[:N])
     torch.manual_seed(0)
     small_vqmodel(channels=3, image_size=16, block_channels=(8, 8, 8), codebook_size=16, code_dim=4,
                   groups=4).save_pretrained(str(base / "tok"))
-    tokenize = load_script("tokenize").main
+    from vqlcmd.cli.tokenize_images import main as tokenize
     for out, extra in (("shards", []), ("shards-flip", ["--flip"])):
         tokenize(["--images", str(tree), "--tokenizer", str(base / "tok"), "--out", str(base / out), "--backend",
                   "dali", "--device", "cpu", "--batch-size", "5", "--no-progress", *extra])
@@ -55,7 +55,7 @@ def _trainer(cfg_path, log=lambda *a, **k: None):
 
 
 def test_a_step_from_images_equals_one_from_the_shards_tokenize_wrote(data, tmp_path):
-    """Flips off in both: tokenize.py --flip writes the mirrored copies as extra samples (2N per epoch), online
+    """Flips off in both: vqlcmd-tokenize --flip writes the mirrored copies as extra samples (2N per epoch), online
     mode mirrors each sample or not per epoch (N per epoch), so with flips on the two do not train on the same
     batches; the flips themselves are compared exactly in the next test."""
     shards = _trainer(_config(tmp_path / "s", data, "shards", steps=4))
@@ -74,7 +74,7 @@ def test_a_step_from_images_equals_one_from_the_shards_tokenize_wrote(data, tmp_
 
 def test_online_flips_are_the_shards_flipped_copies(data):
     """With flips on, each online batch is the shards' plain or flipped copy of its samples, as the loader's coins
-    say, in ShardLoader's order: the same decode, mirror and encode as tokenize.py --flip."""
+    say, in ShardLoader's order: the same decode, mirror and encode as vqlcmd-tokenize --flip."""
     ds = TokenShardDataset(data / "shards-flip")
     assert len(ds) == 2 * N  # flip-* (0..N-1) sorts before shard-* (N..2N-1)
     tok = load_tokenizer(data / "tok")

@@ -1,5 +1,6 @@
-"""scripts/tokenize.py: a JPEG tree -> shards (+ flipped copies), restartable; run as a real script once."""
-import importlib.util
+"""vqlcmd-tokenize (scripts/tokenize_images.py): a JPEG tree -> shards (+ flipped copies), restartable; run as a
+real script once."""
+import importlib
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from vqlcmd.data import TokenShardDataset, image_batches, list_images
 from vqlcmd.tokenizer import load_tokenizer, small_vqmodel
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "tokenize.py"
+SCRIPT = ROOT / "scripts" / "tokenize_images.py"
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +28,7 @@ def setup(tmp_path_factory):
 
 
 def _script_main():
-    spec = importlib.util.spec_from_file_location("tokenize_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return importlib.import_module("vqlcmd.cli.tokenize_images").main
 
 
 def test_runs_as_a_script_with_flipped_copies(setup):

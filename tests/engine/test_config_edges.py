@@ -1,14 +1,10 @@
 """Config validation at the boundaries the docs name (0 = off / keep all, [0, 1] closed), the DeepSpeed
-settings that must be refused, and repository-relative paths from any working directory."""
+settings that must be refused, and relative paths taken from the working directory."""
 import json
-from pathlib import Path
 
 import pytest
 
-import vqlcmd
 from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section, repo_path
-
-ROOT = Path(vqlcmd.__file__).resolve().parents[1]
 
 
 def test_the_documented_edge_values_are_accepted():
@@ -44,17 +40,24 @@ def test_settings_the_engine_cannot_train_are_refused(tmp_path, ds, match):
     assert _load(tmp_path, {"fp16": {"enabled": False}})  # switched off: fine
 
 
-def test_relative_paths_are_the_repositorys_from_any_working_directory(tmp_path, monkeypatch):
-    """config.py: 'relative paths in configs are relative to the repository root, so configs work from any cwd'."""
+def test_relative_paths_are_the_working_directorys(tmp_path, monkeypatch):
+    """config.py: a relative path in a config is taken from the working directory, as on a command line (not
+    from the source checkout, which an installed package does not have), and kept absolute."""
     from vqlcmd.engine.config import DataSection
     from vqlcmd.engine.data import resolve_shards
 
-    monkeypatch.chdir(tmp_path)
+    (tmp_path / "work" / "shards").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert repo_path("configs/ds_digits.json") == ROOT / "configs" / "ds_digits.json"
+    assert repo_path("runs/digits") == tmp_path / "work" / "runs" / "digits"
     assert repo_path("~/runs") == tmp_path / "runs"
     assert repo_path(str(tmp_path / "abs")) == tmp_path / "abs"
-    assert resolve_shards(DataSection(shards="configs"), 0) == (ROOT / "configs", None)
+    assert resolve_shards(DataSection(shards="shards"), 0) == (tmp_path / "work" / "shards", None)
+    with pytest.raises(ConfigError, match="shard folder .*/work/configs does not exist"):
+        resolve_shards(DataSection(shards="configs"), 0)  # the checkout's configs/ is not where it looks
+    monkeypatch.chdir(tmp_path)
+    assert load_config("ds_digits.json")[1].train.output_dir == "runs/digits"  # shipped configs by name
+    assert repo_path("runs/digits") == tmp_path / "runs" / "digits"
 
 
 def test_a_missing_tokenizer_folder_is_named_before_training(tmp_path):

@@ -1,5 +1,6 @@
 """scripts/evaluate.py: digits mode on real digits, Inception mode with weights the test makes (random,
 but in torch-fidelity's file format: conftest.py), and the errors for missing weights."""
+import importlib
 import json
 
 import numpy as np
@@ -8,8 +9,8 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def evaluate(load_script):
-    return load_script("evaluate")
+def evaluate():
+    return importlib.import_module("vqlcmd.cli.evaluate")
 
 
 def _write_pngs(folder, images):
@@ -94,7 +95,7 @@ def test_inception_mode_fid_is_pr(evaluate, inception_weights, tmp_path):
 
 def test_a_class_folder_tree_of_other_sizes_is_a_reference(evaluate, inception_weights, tmp_path, capsys):
     """The user's own training tree: "no .png files" at its top, "images of different sizes" in a class. It
-    is read as scripts/tokenize.py reads it, at the samples' size (the same pixels where sizes agree)."""
+    is read as vqlcmd-tokenize reads it, at the samples' size (the same pixels where sizes agree)."""
     from PIL import Image
 
     rng = np.random.default_rng(1)

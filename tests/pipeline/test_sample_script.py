@@ -1,5 +1,6 @@
 """scripts/sample.py: per-image seeds (rank-count independence), restarts, the ADM .npz layout."""
 import datetime
+import importlib
 import json
 import os
 import subprocess
@@ -16,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def sample_script(load_script):
-    return load_script("sample")
+def sample_script():
+    return importlib.import_module("vqlcmd.cli.sample")
 
 
 @pytest.fixture(scope="module")
@@ -174,12 +175,7 @@ def test_bad_paths_are_one_line_errors(sample_script, pipe_dir, tmp_path):
 
 def _two_rank_worker(rank, init_file, call, arg, results):
     """Rank ``rank`` of 2 (gloo) runs ``call(sample.py as a module, rank, arg)``: "passed", or its refusal."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sample_script", Path(__file__).resolve().parents[2] / "scripts"
-                                                  / "sample.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("vqlcmd.cli.sample")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     try:

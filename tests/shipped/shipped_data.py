@@ -1,5 +1,5 @@
 """Data for the shipped configs' runs: token sets in ImageNet's and FFHQ's layouts (1024 codes, 16x16 tokens per
-256x256 image), written by scripts/tokenize.py from small image trees through a taming-layout f16/1024 VQGAN with
+256x256 image), written by vqlcmd-tokenize from small image trees through a taming-layout f16/1024 VQGAN with
 random weights, converted as a user converts the released checkpoint. conftest.py builds them once per test session."""
 import importlib.util
 import warnings
@@ -14,7 +14,7 @@ TESTS = Path(__file__).resolve().parents[1]
 TAMING_F16_1024_SMALL = dict(ch=32, ch_mult=[1, 1, 1, 1, 1], num_res_blocks=1, attn_resolutions=[16], z_channels=32,
                              embed_dim=8, n_embed=1024, resolution=256, in_channels=3, out_ch=3)
 # ImageNet's 1000 class folders, images in a few of them (0.2 s each to tokenize: 1000 would take minutes). The
-# empty folders keep their labels (tokenize.py warns of them), so the label space is ImageNet's, as the
+# empty folders keep their labels (vqlcmd-tokenize warns of them), so the label space is ImageNet's, as the
 # imagenet-246m preset's 1000-row class table expects; the used classes include the first and the last.
 IMAGENET_CLASSES = 1000
 IMAGENET_USED = (0, 1, 207, 388, 511, 817, 998, 999)
@@ -29,7 +29,7 @@ def _module(path: Path):
 
 
 def build(root: Path, tokenize) -> dict:
-    """{"tokenizer": folder, "imagenet": shards, "ffhq": shards} under ``root``; ``tokenize``: scripts/tokenize.py's
+    """{"tokenizer": folder, "imagenet": shards, "ffhq": shards} under ``root``; ``tokenize``: vqlcmd-tokenize's
     main."""
     from PIL import Image
 

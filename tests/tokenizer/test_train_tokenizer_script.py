@@ -1,5 +1,5 @@
 """scripts/train_tokenizer.py, for a couple of steps, run as a real script: it saves a folder load_tokenizer
-reads (and, started as ``python scripts/...``, its folder's tokenize.py does not shadow the standard library's)."""
+reads."""
 import json
 import subprocess
 import sys
@@ -33,12 +33,9 @@ def test_trains_and_saves(tmp_path):
 
 
 def _parse(*argv):
-    import importlib.util
+    from vqlcmd.cli.train_tokenizer import parse_args
 
-    spec = importlib.util.spec_from_file_location("train_tokenizer_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.parse_args(["--dataset", "digits", *argv])
+    return parse_args(["--dataset", "digits", *argv])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -59,7 +59,7 @@ def non_negative_float(text: str) -> float:
 
 def noise_interval(text: str) -> tuple[float, float]:
     """'LO,HI' -> (lo, hi), 0 <= lo <= hi <= 1: the noise levels where guidance applies (sample.guidance_interval)."""
-    from .samplers import checked_interval
+    from ..samplers import checked_interval
 
     try:
         return checked_interval(text.split(","))
@@ -95,7 +95,7 @@ def choices_list(allowed):
 
 def threads_setting(text: str):
     """``--threads N|auto|torch`` (see vqlcmd.threads)."""
-    from .threads import parse_setting
+    from ..threads import parse_setting
 
     try:
         return parse_setting(text)

@@ -22,12 +22,6 @@ from __future__ import annotations
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# scripts/tokenize.py shadows the standard library's tokenize (which torch imports through inspect and
-# linecache): drop this folder from the path, and put the checkout on it to run without install.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
 import argparse  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -159,7 +153,7 @@ def _image_size(path: Path) -> tuple:
 
 def needs_resizing(folder: Path, size: tuple) -> bool:
     """Whether a reference folder is a class-folder tree (no images at its top level), or holds images of
-    another size than the samples' (headers only): then it is read as scripts/tokenize.py reads a tree."""
+    another size than the samples' (headers only): then it is read as vqlcmd-tokenize reads a tree."""
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
     if not files:
         return any(p.is_dir() for p in folder.iterdir())

@@ -20,11 +20,6 @@ from __future__ import annotations
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# scripts/tokenize.py shadows the standard library's tokenize (which torch imports through inspect and
-# linecache): drop this folder from the path, and put the checkout on it to run without install.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
 # OpenMP reads its wait policy once, as torch loads it: set before anything imports torch, so that waiting
 # threads sleep instead of spinning against other work on the cores (see vqlcmd/threads.py)
 if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
@@ -276,7 +271,6 @@ def main(argv=None) -> int:
     if parent is not None and not parent.is_dir():  # the same, after every image was sampled
         p.error(f"--npz {args.npz}: {parent} is a file, not a folder")
 
-    from vqlcmd.pipeline import image_generators
     from vqlcmd.threads import configure
 
     configure(args.threads, log=lambda line: print(line, file=sys.stderr) if os.environ.get("RANK", "0") == "0"
@@ -327,25 +321,54 @@ def main(argv=None) -> int:
     check_manifest(out, {**settings, "class_labels": labels if C else None}, rank, world)
     out.mkdir(parents=True, exist_ok=True)  # ranks may not share rank 0's file system view of a fresh folder
 
-    mine = [i for i in range(rank, args.num_samples, world) if not (out / png_name(i)).is_file()]
-    kept = len(range(rank, args.num_samples, world)) - len(mine)
+    n_made, wall = sample_missing(pipe, out, settings, labels, device=device, rank=rank, world=world,
+                                  batch_size=args.batch_size, progress=not args.no_progress)
+    if _dist_active():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if rank == 0:
+        rate = n_made / wall if wall > 0 else float("nan")
+        print(f"sampled {n_made} new images ({args.num_samples - n_made} kept) on {world} rank(s) in "
+              f"{wall:.1f} s: {rate:.2f} images/s ({settings['sampler']}, {settings['num_steps']} steps, "
+              f"guidance {settings['guidance_scale']}) -> {out}")
+        if args.npz:
+            write_npz(out, args.num_samples, labels, Path(args.npz))
+            print(f"npz -> {args.npz}")
+    return 0
+
+
+def sample_missing(pipe, out: Path, settings: dict, labels: list, *, device, rank: int = 0, world: int = 1,
+                   batch_size: int = 64, progress: bool = True) -> tuple[int, float]:
+    """Rank ``rank`` of ``world`` draws the images ``i`` of ``settings["num_samples"]`` with i mod world = rank
+    that ``out`` lacks, image i from its own seed (``image_seed``) and of class ``labels[i]`` (None:
+    unconditional). ``settings`` as in ``OUT/manifest.json``: ``check_manifest`` first, so that a folder of
+    other settings is refused rather than mixed. With a process group, every rank returns once all images
+    are written. Returns (images drawn on all ranks, seconds of the slowest rank)."""
+    from vqlcmd.pipeline import image_generators
+    from vqlcmd.samplers import EVERY_T
+
+    device = torch.device(device)
+    C = pipe.network.config.num_classes
+    mine = [i for i in range(rank, settings["num_samples"], world) if not (out / png_name(i)).is_file()]
+    kept = len(range(rank, settings["num_samples"], world)) - len(mine)
     bar = None
-    if rank == 0 and not args.no_progress:
+    if rank == 0 and progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(mine), desc=f"rank 0/{world} sampling", unit="img")
     if rank == 0 and kept:
         print(f"continuing: rank 0 keeps {kept} existing images", file=sys.stderr)
     t0 = time.perf_counter()
-    for start in range(0, len(mine), args.batch_size):
-        idx = mine[start:start + args.batch_size]
-        gens = image_generators([image_seed(args.seed, i) for i in idx], device=device)
+    for start in range(0, len(mine), batch_size):
+        idx = mine[start:start + batch_size]
+        gens = image_generators([image_seed(settings["seed"], i) for i in idx], device=device)
         kw = dict(class_labels=[labels[i] for i in idx]) if C else dict(num_images=len(idx))
-        if d.get("sampler") != "maskgit":  # MaskGIT's own sampler takes neither
+        if settings["sampler"] != "maskgit":  # MaskGIT's own sampler takes neither
             kw.update(sampler=settings["sampler"], final=settings["final"],
                       guidance_interval=settings.get("guidance_interval", EVERY_T))
         images = pipe(**kw, num_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"],
-                      generator=gens, batch_size=args.batch_size, output_type="pt")
+                      generator=gens, batch_size=batch_size, output_type="pt")
         for i, img in zip(idx, images):
             save_png(img, out / png_name(i))
         if bar is not None:
@@ -366,16 +389,7 @@ def main(argv=None) -> int:
         # every image is written once all have passed; then no rank waits on rank 0's .npz, which can take
         # longer than NCCL's timeout for large sets (and the run then ended without it, again at every rerun)
         dist.barrier()
-        dist.destroy_process_group()
-    if rank == 0:
-        rate = n_made / wall if wall > 0 else float("nan")
-        print(f"sampled {n_made} new images ({args.num_samples - n_made} kept) on {world} rank(s) in "
-              f"{wall:.1f} s: {rate:.2f} images/s ({settings['sampler']}, {settings['num_steps']} steps, "
-              f"guidance {settings['guidance_scale']}) -> {out}")
-        if args.npz:
-            write_npz(out, args.num_samples, labels, Path(args.npz))
-            print(f"npz -> {args.npz}")
-    return 0
+    return n_made, wall
 
 
 if __name__ == "__main__":

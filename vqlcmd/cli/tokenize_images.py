@@ -1,7 +1,7 @@
 """Images -> token shards, with a progress bar and images/s; restartable (finished shards are kept).
 
-    python scripts/tokenize.py --images DATA/train --tokenizer TOK_FOLDER --out shards/ [--flip]
-    python scripts/tokenize.py --dataset digits [--out shards/]
+    python scripts/tokenize_images.py --images DATA/train --tokenizer TOK_FOLDER --out shards/ [--flip]
+    python scripts/tokenize_images.py --dataset digits [--out shards/]     # (or: vqlcmd-tokenize ...)
 
 A tree with class sub-folders gives class labels; a flat folder is unconditional (label 0).
 ``--flip`` also writes a horizontally flipped copy of every image (``flip-*.vqtok``).
@@ -9,13 +9,6 @@ A file whose header passes ``--check-images`` but whose pixels fail to decode is
 (each shard lists its own in its header, ``skipped_files``), and the run goes on.
 """
 import os
-import sys
-
-# This file shares its name with the standard library's ``tokenize`` module, which torch imports
-# (through inspect and linecache); drop this folder from the path so that import finds the real one.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))  # run from a source checkout without install
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -134,6 +127,12 @@ def _write_all(args, tok, images, size, progress) -> dict:
 def _first_names(names: list) -> str:
     """ " (a, b, ...)": the first ten of ``names`` for a summary line; nothing for none."""
     return f" ({', '.join(names[:10])}{', ...' if len(names) > 10 else ''})" if names else ""
+
+
+def command() -> int:
+    """The ``vqlcmd-tokenize`` entry point: ``main`` returns its statistics, for callers in Python."""
+    main()
+    return 0
 
 
 if __name__ == "__main__":

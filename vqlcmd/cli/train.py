@@ -2,19 +2,17 @@
 """Train VQ-LCMD.
 
     deepspeed scripts/train.py --config ds_imagenet.json      # any number of ranks / nodes
-    python scripts/train.py --config ds_digits.json           # one process
+    python scripts/train.py --config ds_digits.json           # one process (or: vqlcmd-train --config ...)
 
-``--config`` takes a path or the name of a file in configs/. One file holds
-DeepSpeed's keys and a ``vqlcmd`` section (see configs/README.md).
+``--config`` takes a path or the name of a shipped config (configs/). One file holds
+DeepSpeed's keys and a ``vqlcmd`` section (see configs/README.md). Relative paths
+in it are relative to the working directory.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-# scripts/ is sys.path[0] when a script runs; scripts/tokenize.py would shadow the standard library's
-# tokenize module (imported lazily by linecache, inspect, torch), so take scripts/ off the path first.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 # OpenMP reads its wait policy once, as torch loads it: set before anything imports torch, so that waiting
 # threads sleep instead of spinning against other work on the cores (see vqlcmd/threads.py)
 if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
@@ -23,9 +21,6 @@ if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
 import argparse
 import json
 import signal
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without install
 
 from vqlcmd.engine.config import ConfigError, is_deepspeed_key, load_config, near_deepspeed_key  # noqa: E402
 from vqlcmd.cli import add_threads_option  # noqa: E402
@@ -50,7 +45,7 @@ def _set(section: dict, dotted: str, value: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="config file: a path or a name in configs/ (required to train)")
+    parser.add_argument("--config", help="config file: a path or the name of a shipped config (configs/; required to train)")
     parser.add_argument("--verify-checkpoints", metavar="DIR",
                         help="check every checkpoint in DIR (a run's output_dir or its checkpoints/ folder; one "
                              "checkpoint or an exported pipeline folder also works) against its manifest, without "
@@ -97,8 +92,12 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    from vqlcmd.engine.parent_watch import watch_launcher
     from vqlcmd.threads import configure
 
+    # under the deepspeed launcher: this rank stops (SIGTERM: save, then exit) when a launcher above it dies,
+    # even by SIGKILL, instead of training on as an orphan beside a relaunched run
+    watch_launcher()
     configure(args.threads, log=_rank0_print)  # before the digits' tokenizer or the model computes anything
 
     from vqlcmd.data.shards import ShardError
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
         trainer = Trainer(ds_config, cfg, progress=not args.no_progress)
         if args.evaluate and trainer.tokenizer_dir is None:  # found before training, not after it
             raise ConfigError("--evaluate saves a decoded sample grid and needs data.tokenizer (the VQ tokenizer's "
-                              "folder, as given to scripts/tokenize.py); set it, or drop --evaluate")
+                              "folder, as given to vqlcmd-tokenize); set it, or drop --evaluate")
         trainer.train(progress=not args.no_progress)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

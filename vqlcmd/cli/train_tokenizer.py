@@ -9,11 +9,6 @@ Prints the reconstruction PSNR (through the token path) and how many codes are i
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# scripts/tokenize.py shadows the standard library's tokenize (which torch imports through inspect and
-# linecache): drop this folder from the path, and put the checkout on it to run without install.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
 # OpenMP reads its wait policy once, as torch loads it: set before anything imports torch, so that waiting
 # threads sleep instead of spinning against other work on the cores (see vqlcmd/threads.py)
 if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
@@ -21,6 +16,8 @@ if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+
+import torch  # noqa: E402,F401  (OpenMP loads under the policy above, --help included, as in the other commands)
 
 from vqlcmd.cli import add_threads_option, positive_float, positive_int  # noqa: E402
 
@@ -124,6 +121,12 @@ def main(argv=None) -> dict:
         json.dump(metrics, f, indent=1)
     print(json.dumps(metrics, indent=1))
     return metrics
+
+
+def command() -> int:
+    """The ``vqlcmd-train-tokenizer`` entry point: ``main`` returns the metrics, for callers in Python."""
+    main()
+    return 0
 
 
 if __name__ == "__main__":

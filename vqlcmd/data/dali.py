@@ -81,7 +81,7 @@ def dali_batches(images: ImageList, size: int, batch_size: int, *, flip: str = "
                 batch = images.files[done:done + bs]
                 # DALI's own message names the sample that failed ("Failed to decode sample #i : path"); the hint
                 # about checking the files only where it was a file that failed (not, say, device memory)
-                hint = ("\n(list_images(check='decode') or scripts/tokenize.py --check-images decode skips such "
+                hint = ("\n(list_images(check='decode') or vqlcmd-tokenize --check-images decode skips such "
                         "files up front)") if _is_file_error(str(e)) else ""
                 raise RuntimeError(f"DALI failed on the batch of {len(batch)} images starting with {batch[0]}: "
                                    f"{e}{hint}") from e

@@ -10,7 +10,7 @@ def image_batches(images: ImageList, size: int, batch_size: int, *, flip: str = 
     """Batches ``(images (B, channels, size, size) float32 in [-1, 1], labels (B,) int64)`` in list order.
 
     ``backend``: "dali", "pil" or "auto" (DALI when installed). ``flip``: "none", "always" (the flipped
-    copies of scripts/tokenize.py --flip) or "random" (a fresh coin per image, drawn from ``seed``).
+    copies of vqlcmd-tokenize --flip) or "random" (a fresh coin per image, drawn from ``seed``).
     """
     if flip not in FLIP_MODES:
         raise ValueError(f"flip must be one of {FLIP_MODES}, got {flip!r}")

@@ -37,13 +37,9 @@ def digits_images(size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def default_cache_dir() -> Path:
-    """``$VQLCMD_CACHE``, else ``<repo>/.cache`` for a source checkout (git-ignored), else ``~/.cache/vqlcmd``."""
-    if os.environ.get("VQLCMD_CACHE"):
-        return Path(os.environ["VQLCMD_CACHE"])
-    repo = Path(__file__).resolve().parents[2]
-    if (repo / "pyproject.toml").is_file():
-        return repo / ".cache"
-    return Path.home() / ".cache" / "vqlcmd"
+    """``$VQLCMD_CACHE``, else ``.cache`` in the working directory, beside the run's outputs (the quick start
+    runs from the checkout, where it is git-ignored); absolute, so that a later change of directory keeps it."""
+    return Path(os.path.abspath(os.environ.get("VQLCMD_CACHE") or ".cache"))
 
 
 @contextlib.contextmanager

@@ -54,7 +54,7 @@ class OnlineTokenLoader:
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.bad: dict[str, str] = {}  # files that failed to decode: reason
         # a TokenShardDataset's header keys, so that without flips the data identity equals that of the shards
-        # scripts/tokenize.py writes from the same tree ("flipped": holds flipped copies; random flips are not)
+        # vqlcmd-tokenize writes from the same tree ("flipped": holds flipped copies; random flips are not)
         self.header = {"codebook_size": tokenizer.codebook_size, "grid": list(tokenizer.grid),
                        "tokenizer_id": tokenizer.identifier, "num_classes": self.images.num_classes,
                        "class_names": list(self.images.class_names), "num_samples": len(self.images),

@@ -213,7 +213,7 @@ def list_shards(folder) -> list[Path]:
     files = sorted(p for p in folder.glob(f"*{SUFFIX}") if not p.name.startswith("."))
     if not files:
         raise FileNotFoundError(f"token shard folder {str(folder)!r} holds no *{SUFFIX} files "
-                                "(make some with scripts/tokenize.py)")
+                                "(make some with vqlcmd-tokenize)")
     return files
 
 
@@ -259,7 +259,7 @@ class TokenShardDataset:
         flipped = sum(len(s) for s in self.shards if s.header.get("flipped", False))
         if flipped and flipped != len(self) - flipped:
             raise ShardError(f"token shards in {self.folder}: {flipped} flipped samples for {len(self) - flipped} "
-                             "unflipped; an interrupted --flip run? run scripts/tokenize.py --flip again to finish it")
+                             "unflipped; an interrupted --flip run? run vqlcmd-tokenize --flip again to finish it")
 
     @property
     def seq_len(self) -> int:

@@ -1,7 +1,7 @@
 """Files that pass ``list_images``' header check but fail to decode (pixel data cut short): found by name when a
 batch fails, recorded, and replaced in the decoder's input by a readable stand-in whose rows the caller drops.
 
-Shared by the online loader (``online.py``) and the shard writer's source (``scripts/tokenize.py``), so one bad
+Shared by the online loader (``online.py``) and the shard writer's source (``vqlcmd-tokenize``), so one bad
 file in a million-image tree costs that file, not the run.
 """
 from __future__ import annotations

@@ -119,7 +119,7 @@ def write_token_shards(out_dir, tokenizer, count: int, batches: BatchSource, hea
     if foreign and not overwrite:
         path, why = foreign[0]
         raise ShardError(f"{out_dir} holds {len(foreign)} shard(s) of another data set ({path.name}: {why}); write "
-                         "into another folder, or overwrite them (scripts/tokenize.py --overwrite)")
+                         "into another folder, or overwrite them (vqlcmd-tokenize --overwrite)")
     for path, _ in foreign:
         path.unlink()
     if foreign:

@@ -13,7 +13,8 @@ import torch
 from ..methods import get_method
 # (CheckpointError, atomic_write_text and the CLI's check: public names of this module before the split)
 from .checkpoint_folder import (CheckpointError, atomic_write_text, commit, latest_tag,  # noqa: F401
-                                resumable_checkpoint, tag_for, unreadable, verify_checkpoints_cli)
+                                resumable_checkpoint, set_aside_checkpoints, tag_for, unreadable,
+                                verify_checkpoints_cli)
 from .config import ConfigError
 from .distributed import RankSetupError
 from .ds_config import zero_stage
@@ -102,11 +103,12 @@ class CheckpointManager:
         checkpoints beside the earlier run's, and pruning by step number, or the next resume, would then
         take the wrong ones. ``data``: the run's data identity (``distributed.data_identity``)."""
         tag = self.latest()
+        aside = [p.name for p in set_aside_checkpoints(self.ckpt_dir)]  # (an earlier run's too, if damaged)
+        if not self.resume and (tag or aside):
+            raise ConfigError(f"train.resume is false but {self.ckpt_dir} holds an earlier run's checkpoints (latest "
+                              f"{tag or aside[0]}); choose another train.output_dir, or move that folder away")
         if tag is None:
             return
-        if not self.resume:
-            raise ConfigError(f"train.resume is false but {self.ckpt_dir} holds an earlier run's checkpoints (latest "
-                              f"{tag}); choose another train.output_dir, or move that folder away")
         self.check_resumable(self.ckpt_dir / tag, ds, cfg, bf16, data)
 
     def claim(self) -> None:

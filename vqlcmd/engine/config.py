@@ -25,8 +25,8 @@ from ..samplers import FINALS, SAMPLERS, checked_interval
 OP_BACKENDS = ("auto", *BACKENDS)
 DATA_SOURCES = ("shards", "images")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO_ROOT / "configs"
+# the shipped configs: package data (vqlcmd/configs links to the top-level configs/ in a checkout)
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 class ConfigError(ValueError):
@@ -79,9 +79,9 @@ class DataSection:
     # "digits": the embedded data set, prepared (tokenizer + shards) on first use and cached.
     dataset: Optional[str] = None
     tokenizer_steps: int = 1000  # "digits" only: training steps of the small tokenizer (cached per value)
-    shards: Optional[str] = None  # folder of token shards (relative paths: to the repository root)
+    shards: Optional[str] = None  # folder of token shards (relative paths: to the working directory)
     tokenizer: Optional[str] = None  # folder of the VQ tokenizer (for decoding sample grids; source "images": encoding)
-    # "shards" (pre-tokenized by scripts/tokenize.py) or "images": the tree is decoded and encoded every epoch
+    # "shards" (pre-tokenized by vqlcmd-tokenize) or "images": the tree is decoded and encoded every epoch
     source: str = "shards"
     images: Optional[str] = None  # "images": the image tree (one folder per class, or flat), as tokenize.py --images
     flip: bool = False  # "images": a random horizontal flip per sample and epoch
@@ -105,7 +105,7 @@ class DataSection:
                                  "or set source 'shards'")
         elif self.images is not None or self.flip:  # read by source "images" only: it would be ignored silently
             raise ValueError(f"{'images' if self.images is not None else 'flip'} is read with source 'images' only "
-                             "(this run reads token shards; tokenize flipped copies with scripts/tokenize.py --flip)")
+                             "(this run reads token shards; tokenize flipped copies with vqlcmd-tokenize --flip)")
 
 
 @dataclass
@@ -297,14 +297,16 @@ def parse_vqlcmd_section(section: dict) -> VQLCMDConfig:
 
 
 def resolve_config_path(name: str) -> Path:
-    """``--config NAME``: a path, or the name of a file in configs/."""
-    path = Path(name)
+    """``--config NAME``: a path (relative to the working directory), or the name of a shipped config."""
+    path = Path(os.path.expanduser(name))
     if path.is_file():
         return path
-    candidate = CONFIG_DIR / name
+    candidate = (CONFIG_DIR / name).resolve()
     if candidate.is_file():
         return candidate
-    raise ConfigError(f"config {name!r} not found (looked at {path.resolve()} and {candidate})")
+    shipped = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.json")))
+    raise ConfigError(f"config {name!r} not found (looked at {path.resolve()} and {candidate}; the shipped "
+                      f"configs: {shipped})")
 
 
 def load_config(name: str, edit: Optional[Callable[[dict], None]] = None,
@@ -485,9 +487,12 @@ def _check_with_deepspeed_models(ds: dict, path) -> None:
             raise ConfigError(f"{path}: DeepSpeed key {where}: {err['msg']} (got {err.get('input')!r})") from None
 
 
-def repo_path(p: Optional[str]) -> Optional[Path]:
-    """Relative paths in configs are relative to the repository root, so configs work from any cwd."""
+def resolve_path(p: Optional[str]) -> Optional[Path]:
+    """A path from a config or ``--set`` (output_dir, data folders): ``~`` expanded, a relative one taken from
+    the working directory, as on a command line; absolute, so that a later change of directory keeps it."""
     if p is None:
         return None
-    p = Path(os.path.expanduser(p))
-    return p if p.is_absolute() else REPO_ROOT / p
+    return Path(os.path.abspath(os.path.expanduser(p)))
+
+
+repo_path = resolve_path  # the name engine/data.py and trainer.py import

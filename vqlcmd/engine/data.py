@@ -16,7 +16,7 @@ def resolve_shards(data: DataSection, rank: int, log=print, progress: bool = Tru
     if data.dataset is not None:
         if data.dataset != "digits":
             raise ConfigError(f"vqlcmd.data.dataset must be 'digits' (the embedded data set), got {data.dataset!r}; "
-                              "for other data give vqlcmd.data.shards (see scripts/tokenize.py)")
+                              "for other data give vqlcmd.data.shards (see vqlcmd-tokenize)")
         from ..data.digits import prepare_digits
 
         steps = data.tokenizer_steps
@@ -34,7 +34,7 @@ def resolve_shards(data: DataSection, rank: int, log=print, progress: bool = Tru
     if shards is None:
         raise ConfigError("vqlcmd.data needs 'shards' (a folder of token shards) or 'dataset': 'digits'")
     if not shards.is_dir():
-        raise ConfigError(f"vqlcmd.data.shards: shard folder {shards} does not exist (make it with scripts/tokenize.py)")
+        raise ConfigError(f"vqlcmd.data.shards: shard folder {shards} does not exist (make it with vqlcmd-tokenize)")
     tok = repo_path(data.tokenizer)
     if tok is not None and not tok.exists():
         raise ConfigError(f"vqlcmd.data.tokenizer: folder {tok} does not exist")
