@@ -78,10 +78,12 @@ def test_resume_exactly(ds, stop_after):
 
 def test_resume_refuses_a_different_setup(ds):
     state = ShardLoader(ds, 8, seed=1).state_dict()
-    with pytest.raises(ValueError, match="saved batch_size=8"):
-        ShardLoader(ds, 4, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="saved world_size=1"):
-        ShardLoader(ds, 8, seed=1, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="saved seed=1"):
+        ShardLoader(ds, 8, seed=2).load_state_dict(state)
+    run = ShardLoader(ds, 8, seed=1)
+    next(iter(run))
+    with pytest.raises(ValueError, match="saved at a global batch of 8 samples, this loader's is 12"):
+        ShardLoader(ds, 4, seed=1, world_size=3).load_state_dict(run.state_dict())
 
 
 def test_bad_arguments(ds):

@@ -42,7 +42,7 @@ class OnlineTokenLoader:
 
     def __init__(self, images, tokenizer, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
                  flip: bool = True, size: int | None = None, backend: str = "auto", device=None,
-                 drop_last: bool = True, num_threads: int = 2):
+                 drop_last: bool = True, num_threads: int = 2, accumulation: int = 1):
         self.images = images if isinstance(images, ImageList) else list_images(images)
         self.tokenizer = tokenizer.to(device) if device is not None else tokenizer
         self.device = device if device is not None else tokenizer.device
@@ -50,6 +50,7 @@ class OnlineTokenLoader:
         self.flip, self.backend, self.num_threads = flip, backend, num_threads
         # the order (permutation per epoch, rank slice, resume position) is exactly ShardLoader's
         self._order = ShardLoader(_Count(len(self.images)), batch_size, rank=rank, world_size=world_size, seed=seed,
+                                  accumulation=accumulation,
                                   drop_last=drop_last)
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.bad: dict[str, str] = {}  # files that failed to decode: reason
