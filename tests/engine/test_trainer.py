@@ -244,7 +244,8 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path, tiny_shards, trai
     ({"model": {"preset": "tiny", "overrides": {"depth": 1}}}, r"vqlcmd\.model = .* but this run has .*\"depth\": 1"),
     ({"embedding": {"frozen": True}}, r"vqlcmd\.embedding = \{\"frozen\": false"),
     ({"schedule": {"shift": -1.0}}, r"vqlcmd\.schedule = \{\"shift\": 0\.0.* but this run has \{\"shift\": -1\.0"),
-    ({"micro": 4}, r"train_micro_batch_size_per_gpu=8 but this run has 4"),
+    ({"micro": 4}, r"trained at a global batch of 8 \(1 rank\(s\) x micro-batch 8 x accumulation 1\) but this "
+                   r"run's is 4; .*set train_batch_size 8"),
     # DeepSpeed's own errors called the checkpoint corrupt; the loader's a raw ValueError after loading it
     ({"stage": 0}, r"trained at zero_optimization\.stage 2 but this run has stage 0; .*: resume with stage 1 or 2$"),
     ({"train": {"seed": 1}}, r"trained with train\.seed 0 but this run has 1; .*resume with the same seed"),
@@ -374,18 +375,6 @@ def test_batch_size_keys_that_disagree_are_config_errors(tmp_path, tiny_shards, 
         Trainer({**only_total, "train_batch_size": 9, "gradient_accumulation_steps": 2}, cfg, log=lambda *a, **k: None)
     agreeing = Trainer({**ds, "train_batch_size": 8}, cfg, log=lambda *a, **k: None)
     assert (agreeing.micro, agreeing.gas) == (8, 1)
-
-
-def test_resume_with_another_number_of_ranks_is_refused_up_front(tmp_path, tiny_shards, trainer):
-    import shutil
-
-    trainer(tmp_path, tiny_shards, steps=2).train(progress=False)
-    step = tmp_path / "run" / "checkpoints" / "step_0000002"
-    # as a two-rank run leaves it: DeepSpeed's error named a DP world size, with advice about corrupt files
-    shutil.copy(step / "rank_00000_state.pt", step / "rank_00001_state.pt")
-    with pytest.raises(ConfigError, match=r"step_0000002 was written by 2 rank\(s\) but this run has 1; resume "
-                                          r"with the same number \(deepspeed --num_gpus 2"):
-        trainer(tmp_path, tiny_shards, steps=3)
 
 
 def test_compile_keeps_the_checkpoint_keys(tmp_path, tiny_shards, trainer):

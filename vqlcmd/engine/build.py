@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -163,14 +162,6 @@ def build_engine(model: Model, cfg: VQLCMDConfig, ds: dict, device, log):
                                            config=ds)
     log(release_freed_memory())  # the weights' first copy, now in DeepSpeed's flat buffers
     return engine
-
-
-def per_rank_streams(cfg: VQLCMDConfig, rank: int, device) -> torch.Generator:
-    """Attention dropout draws from the global generator, seeded alike for equal initial weights: each rank now
-    gets its own stream, or every data-parallel rank would drop the same attention weights. Returns the
-    per-rank generator of t, s, ε and the drop masks (saved with checkpoints)."""
-    torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, rank]).generate_state(1)[0]))
-    return torch.Generator(device=device).manual_seed(cfg.train.seed * 1000 + rank)
 
 
 def attention_words(den_cfg, device, bf16: bool) -> str:

@@ -20,6 +20,7 @@ from .distributed import RankSetupError
 from .ds_config import zero_stage
 from .run_lock import RunLock, RunLockedError
 from .safe_load import UnsafeCheckpointError, inert_deepspeed_loads, load_rank_state
+from .zero_reshard import ReshardError, load_resharded
 
 
 def _setup(key: str, section):
@@ -55,15 +56,18 @@ class Resumed:
     folder: Path
     step: int
     client: dict  # what save() gave DeepSpeed's client_state: step, EMAs, config
-    rank_state: dict  # this rank's loader position and RNG states
+    loader: dict  # the loader's position (global: any rank's file holds it)
+    streams: Optional[dict]  # {slot: random streams} of this rank's slots; None: the slots changed (afresh)
 
-    def restore_rank_state(self, loader, generator: torch.Generator) -> None:
-        state = self.rank_state
-        loader.load_state_dict(state["loader"])
-        generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        if state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"])
+    def restore_rank_state(self, loader, streams) -> None:
+        try:
+            loader.load_state_dict(self.loader)
+        except ValueError as exc:  # another global batch mid-epoch, say: named, with the folder
+            raise ConfigError(f"{self.folder}: {exc}") from exc
+        if self.streams is None:
+            streams.reset(step=self.step)
+        else:
+            streams.load_state_dict(self.streams)
 
 
 class CheckpointManager:
@@ -97,6 +101,19 @@ class CheckpointManager:
         except (OSError, ValueError):
             return False  # the resume check names the damage
         return zero_stage(was) == 0 and bool((was.get("bf16") or {}).get("enabled", False))
+
+    def resumed_batch(self) -> Optional[tuple]:
+        """(micro-batch, accumulation, ranks) of the checkpoint this run resumes, or None (``ds_config`` keeps
+        the global batch on another number of ranks with it)."""
+        tag = self.latest() if self.resume else None
+        try:
+            was = json.loads((self.ckpt_dir / tag / "config.json").read_text()) if tag else None
+        except (OSError, ValueError):
+            return None  # the resume check names the damage
+        ranks = len(list((self.ckpt_dir / tag).glob("rank_*_state.pt"))) if was else 0
+        if not ranks or "train_micro_batch_size_per_gpu" not in was:
+            return None
+        return int(was["train_micro_batch_size_per_gpu"]), int(was.get("gradient_accumulation_steps", 1)), ranks
 
     def check_output_dir(self, ds: dict, cfg, bf16: bool, data: dict) -> None:
         """A run resumes what ``output_dir`` holds, or refuses to start there: a fresh run would write its
@@ -154,8 +171,9 @@ class CheckpointManager:
 
         DeepSpeed keeps bf16 and fp32 optimizer state in different layouts and fails on a mix with a
         missing-file error ("auto" may also resolve differently on another machine); another model,
-        method or embedding setup fails on state-dict keys; another micro-batch, in the loader. Other token
-        shards of the same shapes would not fail at all: the model would go on training on them."""
+        method or embedding setup fails on state-dict keys. Other token shards of the same shapes would not
+        fail at all: the model would go on training on them. Another number of ranks is no difference: the
+        ZeRO state is laid out anew (``zero_reshard``), the data position is global (``data/loader.py``)."""
         saved_file = folder / "config.json"
         if not saved_file.is_file():
             return
@@ -198,9 +216,13 @@ class CheckpointManager:
                                   f"{json.dumps(now[key])}; resume with the same, or train in another "
                                   "train.output_dir")
         ranks = len(list(folder.glob("rank_*_state.pt")))  # one per rank that wrote the checkpoint
-        if ranks and ranks != self.world:  # DeepSpeed's ZeRO state and the loader's position are per rank
-            raise ConfigError(f"{folder} was written by {ranks} rank(s) but this run has {self.world}; resume "
-                              f"with the same number (deepspeed --num_gpus {ranks}, or as many nodes x GPUs)")
+        micro, gas = saved.get("train_micro_batch_size_per_gpu"), saved.get("gradient_accumulation_steps", 1)
+        then_batch, now_batch = (micro or 0) * gas * ranks, ds["train_micro_batch_size_per_gpu"] * \
+            ds["gradient_accumulation_steps"] * self.world
+        if micro is not None and ranks and then_batch != now_batch:  # the loader resumes by whole global batches
+            raise ConfigError(f"{folder} was trained at a global batch of {then_batch} ({ranks} rank(s) x micro-batch "
+                              f"{micro} x accumulation {gas}) but this run's is {now_batch}; the data position "
+                              f"resumes in whole global batches: set train_batch_size {then_batch}")
         then_data = saved.get("data")  # (checkpoints from before lack it)
         if then_data is not None and then_data != data:
             diff = {k: (then_data.get(k), data.get(k)) for k in sorted(set(then_data) | set(data))
@@ -209,11 +231,6 @@ class CheckpointManager:
                               f"{json.dumps(diff)[:600]} (then, now); "
                               "resume on the same data (another tokenizer's ids mean other things to the model), or "
                               "train in another train.output_dir")
-        micro = saved.get("train_micro_batch_size_per_gpu")
-        if micro is not None and micro != ds["train_micro_batch_size_per_gpu"]:
-            raise ConfigError(f"{folder} was trained with train_micro_batch_size_per_gpu={micro} but this run has "
-                              f"{ds['train_micro_batch_size_per_gpu']}; the data loader resumes mid-epoch by batch "
-                              "count, so resume with the same micro-batch")
 
     # ---- save and load --------------------------------------------------------------------------------------
     def save(self, step: int, engine, client: dict, rank_state: dict, written_config: dict,
@@ -238,33 +255,75 @@ class CheckpointManager:
             on_commit(commit(self.ckpt_dir, step, self.keep))
         barrier()
 
-    def load(self, engine, ds: dict, cfg, bf16: bool, data: dict) -> Optional[Resumed]:
-        """The latest checkpoint into ``engine``, checked first; None when there is none."""
+    def load(self, engine, ds: dict, cfg, bf16: bool, data: dict, slots: list) -> Optional[Resumed]:
+        """The latest checkpoint into ``engine``, checked first; None when there is none. ``slots``: this
+        rank's data slots (``SlotStreams.slots``), whose random streams it takes from the files that hold them."""
         tag = self.latest()
         if tag is None:
             return None
         folder = self.ckpt_dir / tag
         self.check_resumable(folder, ds, cfg, bf16, data)
+        then = len(list(folder.glob("rank_*_state.pt"))) or self.world  # the ranks that wrote it
+        reshard = then != self.world and zero_stage(ds) > 0  # (ZeRO 0 keeps the whole optimizer in one file)
         try:  # every file DeepSpeed reads, weights-only: a file a user was handed runs no code
             with inert_deepspeed_loads(engine):
-                _, client = engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+                _, client = engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_optimizer_states=not reshard)
+            if reshard and client is not None:
+                load_resharded(engine, folder)
+        except ReshardError as exc:
+            raise ConfigError(f"{folder} was written by {then} rank(s), this run has {self.world}: {exc}") from exc
         except UnsafeCheckpointError as exc:  # named, and nothing ran: no "truncated or corrupt" advice
             raise CheckpointError(str(exc)) from exc
         except Exception as exc:  # a truncated or corrupt file: DeepSpeed/torch name neither the file nor a way out
             raise CheckpointError(unreadable(folder, exc)) from exc
         if client is None:
             raise CheckpointError(unreadable(folder, "DeepSpeed found no checkpoint there"))
-        rank_file = folder / f"rank_{self.rank:05d}_state.pt"
-        if not rank_file.is_file():
-            raise RuntimeError(f"{rank_file} is missing: the checkpoint was written by a run with a different "
-                               "number of ranks; resume with the same world size")
+        if then != self.world:
+            self.log(f"resuming {folder.name}, written by {then} rank(s), on {self.world}: the optimizer state "
+                     f"{'laid out anew' if reshard else 'whole (ZeRO 0)'}, the data position global")
+        states = self._rank_states(folder, then, slots)
+        loader = states[self.rank if then == self.world else 0]["loader"]
+        return Resumed(folder, int(client["step"]), client, loader, self._streams(folder, ds, then, slots, states))
+
+    def _rank_states(self, folder: Path, then: int, slots: list) -> dict:
+        """{rank that wrote it: its rank file}, for the files this rank needs: its own (or rank 0's) and those
+        of the ranks that held its slots (slot v was rank v mod ``then``'s)."""
+        wanted = {self.rank if then == self.world else 0} | {v % then for v in slots}
+        out = {}
+        for r in sorted(wanted):
+            rank_file = folder / f"rank_{r:05d}_state.pt"
+            if not rank_file.is_file():
+                raise CheckpointError(unreadable(folder, f"{rank_file.name} is missing"))
+            try:
+                out[r] = load_rank_state(rank_file)
+            except UnsafeCheckpointError as exc:
+                raise CheckpointError(str(exc)) from exc
+            except Exception as exc:
+                raise CheckpointError(unreadable(folder, exc)) from exc
+        return out
+
+    def _streams(self, folder: Path, ds: dict, then: int, slots: list, states: dict) -> Optional[dict]:
+        """This rank's slots' saved streams, where the checkpoint had the same slots (as many, of the same
+        micro-batch); None where it had not: they start afresh (engine/streams.py)."""
         try:
-            state = load_rank_state(rank_file)
-        except UnsafeCheckpointError as exc:
-            raise CheckpointError(str(exc)) from exc
-        except Exception as exc:
-            raise CheckpointError(unreadable(folder, exc)) from exc
-        return Resumed(folder, int(client["step"]), client, state)
+            saved = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            saved = {}
+        micro, gas = saved.get("train_micro_batch_size_per_gpu"), saved.get("gradient_accumulation_steps", 1)
+        now = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] * self.world
+        if (micro, gas * then) != now:
+            self.log(f"the checkpoint had {gas * then} data slot(s) of micro-batch {micro}, this run has {now[1]} of "
+                     f"{now[0]}: every slot's random streams start afresh from (train.seed, slot, step)")
+            return None
+        out = {}
+        for v in slots:
+            held = states[v % then]
+            # (a file from before slots: the rank's one stream, its first micro-step's)
+            by_slot = held.get("slots") or {v % then: {k: held[k] for k in ("generator", "torch_rng", "cuda_rng")
+                                                       if k in held}}
+            if v in by_slot:
+                out[v] = by_slot[v]
+        return out
 
     # ---- what a resume changed ------------------------------------------------------------------------------
     def apply_config_rates(self, engine, emas: dict, cfg) -> None:

@@ -8,6 +8,7 @@ batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -29,8 +30,11 @@ class RunDeepSpeedConfig:
     bf16_why: str  # how "auto" (or the config) decided, for the log
 
 
-def derive_batch(ds_config: dict, world: int) -> tuple[dict, int, int]:
-    """(config with micro-batch and accumulation set and train_batch_size removed, micro, gas)."""
+def derive_batch(ds_config: dict, world: int, resumed: Optional[tuple] = None) -> tuple[dict, int, int, str]:
+    """(config with micro-batch and accumulation set and train_batch_size removed, micro, gas, what a resume on
+    another number of ranks chose: "" otherwise). ``resumed``: the checkpoint's (micro, gas, ranks)."""
+    if resumed is not None and resumed[2] != world:
+        return _derive_for_another_world(ds_config, world, *resumed)
     ds = dict(ds_config)
     micro = ds.get("train_micro_batch_size_per_gpu")
     gas = ds.get("gradient_accumulation_steps", 1)
@@ -51,10 +55,40 @@ def derive_batch(ds_config: dict, world: int) -> tuple[dict, int, int]:
         raise ConfigError(
             f"train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps="
             f"{gas} x {world} rank(s) = {micro * gas * world}: remove one of the keys or make them agree")
+    return _set_batch(ds, micro, gas) + ("",)
+
+
+def _set_batch(ds: dict, micro: int, gas: int) -> tuple[dict, int, int]:
     ds["train_micro_batch_size_per_gpu"] = micro
     ds["gradient_accumulation_steps"] = gas
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
     return ds, micro, gas
+
+
+def _derive_for_another_world(ds_config: dict, world: int, then_micro: int, then_gas: int,
+                              then_world: int) -> tuple[dict, int, int, str]:
+    """A resume on another number of ranks keeps the global batch: the config's ``train_batch_size``, or
+    without one the checkpoint's (the config's micro-batch x accumulation x ranks was that of the old
+    world). The checkpoint's micro-batch is kept where the global batch allows, accumulation adapting: the
+    slots (engine/streams.py) and so the draws and the losses are then the uninterrupted run's. Otherwise
+    the micro-batch adapts, and the random streams start afresh (the data position is kept either way)."""
+    ds = dict(ds_config)
+    total = ds.get("train_batch_size") or then_micro * then_gas * then_world
+    origin = "train_batch_size" if ds.get("train_batch_size") else "the checkpoint's global batch"
+    micro = ds.get("train_micro_batch_size_per_gpu") if ds.get("train_batch_size") is None else None
+    was = f"(the checkpoint: {then_world} rank(s) x micro-batch {then_micro} x accumulation {then_gas})"
+    for m in ([micro] if micro else [then_micro, *range(min(then_micro, total // world), 0, -1)]):
+        if total % (m * world) == 0:
+            gas = total // (m * world)
+            kept = m == then_micro
+            note = (f"resuming on {world} rank(s): global batch {total} ({origin}) as micro-batch {m} x "
+                    f"accumulation {gas} {was}; " + (
+                        "the same data slots, so the same random draws as the uninterrupted run" if kept else
+                        "another micro-batch, so the random streams start afresh (the data position is kept)"))
+            return _set_batch(ds, m, gas) + (note,)
+    raise ConfigError(f"resuming on {world} rank(s): the global batch {total} ({origin}) is no multiple of "
+                      f"{world} x train_micro_batch_size_per_gpu={micro} {was}; resume on a number of ranks that "
+                      "divides it, or set train_batch_size (and no micro-batch) to let the micro-batch adapt")
 
 
 def fast_step_settings(ds: dict) -> None:
@@ -76,10 +110,13 @@ def fast_step_settings(ds: dict) -> None:
 
 
 def build_ds_config(ds_config: dict, world: int, device: torch.device, *, fast: bool,
-                    resumes_zero0_bf16: bool, log) -> RunDeepSpeedConfig:
+                    resumes_zero0_bf16: bool, log, resumed_batch: Optional[tuple] = None) -> RunDeepSpeedConfig:
     """The run's DeepSpeed config. ``resumes_zero0_bf16``: whether the run resumes a ZeRO 0 bf16 checkpoint
-    (refused for new runs; its stage and precision cannot change on resume, so it may go on as it was)."""
-    ds, micro, gas = derive_batch(ds_config, world)
+    (refused for new runs; its stage and precision cannot change on resume, so it may go on as it was);
+    ``resumed_batch``: the resumed checkpoint's (micro-batch, accumulation, ranks)."""
+    ds, micro, gas, chosen = derive_batch(ds_config, world, resumed_batch)
+    if chosen:
+        log(chosen)
     ds.setdefault("zero_allow_untested_optimizer", True)  # torch AdamW as the client optimizer
     ds.setdefault("steps_per_print", 10**9)  # our own logging
     # DeepSpeed takes a bool: "auto" becomes one here, and the run's config records which

@@ -41,10 +41,11 @@ class TrainStep:
     """The step of one run. ``stop_requested()``: whether this rank got a signal; ``checkpoint_words()``: what
     an error says of the last checkpoint. ``stop_agreed`` turns true at the flush where any rank had one."""
 
-    def __init__(self, engine, emas: list, *, generator: torch.Generator, device: torch.device, gas: int,
+    def __init__(self, engine, emas: list, *, streams, device: torch.device, gas: int,
                  deferred: bool, log: Callable, stop_requested: Callable[[], bool],
                  checkpoint_words: Callable[[], str]):
-        self.engine, self.emas, self.generator, self.device, self.gas = engine, emas, generator, device, gas
+        # streams: each micro-step's slot's random streams (engine/streams.py)
+        self.engine, self.emas, self.streams, self.device, self.gas = engine, emas, streams, device, gas
         self.deferred, self.log = deferred, log
         self.stop_requested, self.checkpoint_words = stop_requested, checkpoint_words
         self.net = engine.module.net
@@ -66,7 +67,8 @@ class TrainStep:
                 labels = labels.to(self.device, non_blocking=self.deferred)
                 if self.net.config.num_classes == 0:
                     labels = None
-                out = self.engine(tokens, labels, self.generator)
+                with self.streams.draws(micro) as generator:
+                    out = self.engine(tokens, labels, generator)
                 names = list(out)
                 if self.deferred:
                     values = torch.stack([out[k].detach().float().reshape(()) for k in names]) / self.gas

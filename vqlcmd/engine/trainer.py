@@ -7,11 +7,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from ..methods import apply_method
-from .build import (attention_words, build_data, build_engine, build_model_and_emas, per_rank_streams,
-                    run_length_warnings)
+from .build import attention_words, build_data, build_engine, build_model_and_emas, run_length_warnings
 from .checkpoint import CheckpointError, CheckpointManager, tag_for
 from .config import ConfigError, VQLCMDConfig, check_deepspeed_section, repo_path
 from .data import check_data_paths
@@ -22,6 +19,7 @@ from .metrics_log import truncate_metrics
 from .outputs import MetricsLog, build_pipeline, sample_grid, untouched_rng
 from .signals import TrainingInterrupted, signal_name, stop_on_signals
 from .step import NonFiniteLossError, TrainStep
+from .streams import SlotStreams
 
 __all__ = ["CheckpointError", "NonFiniteLossError", "Trainer", "TrainingInterrupted", "run_length_warnings"]
 
@@ -49,7 +47,8 @@ class Trainer:
         self.data = build_data(cfg, self.rank, self.local_rank, self.device, self.log, progress)
         self.dataset, self.header, self.tokenizer_dir = self.data.source.dataset, self.data.header, self.data.tokenizer_dir
         run_ds = build_ds_config(ds_config, self.world, self.device, fast=t.fast, log=self.log,
-                                 resumes_zero0_bf16=self.checkpoints.resumes_zero0_bf16())
+                                 resumes_zero0_bf16=self.checkpoints.resumes_zero0_bf16(),
+                                 resumed_batch=self.checkpoints.resumed_batch())
         ds, self.micro, self.gas, self.bf16 = run_ds.ds, run_ds.micro, run_ds.gas, run_ds.bf16
         self.checkpoints.check_output_dir(ds, cfg, self.bf16, data_identity(self.header))  # before anything is built
 
@@ -57,12 +56,13 @@ class Trainer:
         self.teacher, self.sampling_ema, self.schedule = model.teacher, model.sampling_ema, model.schedule
         self.engine = build_engine(model, cfg, ds, self.device, self.log)
         self.net = self.engine.module.net
-        self.generator = per_rank_streams(cfg, self.rank, self.device)
+        self.streams = SlotStreams(t.seed, self.rank, self.world, self.gas, self.device)  # per data slot
         try:
-            self.loader = self.data.source.loader(self.micro, rank=self.rank, world_size=self.world, seed=t.seed)
+            self.loader = self.data.source.loader(self.micro, rank=self.rank, world_size=self.world, seed=t.seed,
+                                                  accumulation=self.gas)
         except ValueError as exc:  # the data set cannot fill a micro-batch on every rank
             raise ConfigError(f"train_micro_batch_size_per_gpu={self.micro}: {exc}") from exc
-        self.stepper = TrainStep(self.engine, [self.teacher, self.sampling_ema], generator=self.generator,
+        self.stepper = TrainStep(self.engine, [self.teacher, self.sampling_ema], streams=self.streams,
                                  device=self.device, gas=self.gas, deferred=t.fast, log=self.log,
                                  stop_requested=lambda: self.signal_seen is not None,
                                  checkpoint_words=self.checkpoints.last_checkpoint_words)
@@ -218,9 +218,7 @@ class Trainer:
     def save(self) -> None:
         client = {"step": self.step, "teacher": self.teacher.state_dict(),
                   "sampling_ema": self.sampling_ema.state_dict(), "config": self.resolved_config}
-        rank_state = {"loader": self.loader.state_dict(), "generator": self.generator.get_state(),
-                      "torch_rng": torch.get_rng_state(),
-                      "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        rank_state = {"loader": self.loader.state_dict(), **self.streams.rank_state()}
         written = {**self.resolved_config, "data": data_identity(self.header)}  # what a resume checks
         if self.resumes:
             written["resumes"] = self.resumes
@@ -233,7 +231,7 @@ class Trainer:
 
     def load(self) -> bool:
         resumed = self.checkpoints.load(self.engine, self.resolved_config, self.cfg, self.bf16,
-                                        data_identity(self.header))
+                                        data_identity(self.header), self.streams.slots)
         if resumed is None:
             return False
         self.step = resumed.step
@@ -245,6 +243,6 @@ class Trainer:
             resumed.folder, self.resolved_config, self.step, self.cfg.train.steps)
         if self.rank == 0 and truncate_metrics(self.out_dir / "metrics.jsonl", self.step):
             self.log(f"metrics.jsonl: the rows after step {self.step} (trained again now) are dropped")
-        resumed.restore_rank_state(self.loader, self.generator)
+        resumed.restore_rank_state(self.loader, self.streams)
         self.log(f"resumed from {resumed.folder} at step {self.step}")
         return True
