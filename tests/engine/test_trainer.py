@@ -77,7 +77,7 @@ def test_exported_pipeline_loads_and_samples(tmp_path, tiny_shards, trainer):
     tr = trainer(tmp_path, tiny_shards, steps=2)
     tr.train(progress=False)
     folder = tmp_path / "run" / "pipeline"
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]  # (issue 45: the manifest)
     pipe = VQLCMDPipeline.from_pretrained(folder)
     # the exported weights are the sampling EMA's
     for a, b in zip(pipe.network.parameters(), tr.sampling_ema.module.parameters()):

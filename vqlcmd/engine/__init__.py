@@ -9,6 +9,13 @@
 
 ``trainer.Trainer`` strings them together: build, then loop step -> maybe log / save / preview.
 """
-from .config import ConfigError, VQLCMDConfig, load_config, parse_vqlcmd_section, resolve_config_path
+import importlib
 
 __all__ = ["ConfigError", "VQLCMDConfig", "load_config", "parse_vqlcmd_section", "resolve_config_path"]
+
+
+def __getattr__(name: str):
+    # on first use: importing a leaf of the engine (manifest.py, which the pipeline uses) runs no config code
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(".config", __name__), name)
