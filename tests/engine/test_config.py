@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section, resolve_config_path
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config, parse_vqlcmd_section, resolve_config_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -292,7 +293,7 @@ def test_values_that_failed_late_are_config_errors(section, match):
 def test_cli_set_reaches_the_deepspeed_part(tmp_path, tiny_shards, make_config):
     """`--set train_batch_size=16` was 'unknown key vqlcmd.train_batch_size': the only way to shrink a
     shipped config's batch for a small data set was to copy the file."""
-    from vqlcmd.engine.config import is_deepspeed_key
+    from vqlcmd.engine.ds_config import is_deepspeed_key
 
     assert [is_deepspeed_key(k) for k in ("train_batch_size", "zero_optimization.stage", "bf16.enabled",
                                            "optimizer.lr", "train.steps", "gradient_clippin")] == \
@@ -320,7 +321,7 @@ def test_a_run_too_short_for_its_warm_up_or_ema_is_warned_about():
 def test_set_names_a_misspelt_deepspeed_key_and_a_bad_optimizer_impl(tmp_path, tiny_shards, make_config):
     typo = _run_train(make_config(tmp_path, tiny_shards), "--set", "gradient_clippin=1")
     assert typo.returncode == 2 and "did you mean the DeepSpeed key 'gradient_clipping'" in typo.stderr
-    from vqlcmd.engine.config import near_deepspeed_key
+    from vqlcmd.engine.ds_config import near_deepspeed_key
 
     for near_a_section in ("optimiser.lr", "schedul.shift"):  # vqlcmd's error names those sections' keys
         near_deepspeed_key(near_a_section)

@@ -13,10 +13,10 @@ from ..methods import apply_method
 from .build import (attention_words, build_data, build_engine, build_model_and_emas, per_rank_streams,
                     run_length_warnings)
 from .checkpoint import CheckpointError, CheckpointManager, tag_for
-from .config import ConfigError, VQLCMDConfig, check_deepspeed_section, repo_path
+from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import check_data_paths
 from .distributed import data_identity, init_distributed
-from .ds_config import build_ds_config, zero_stage
+from .ds_config import build_ds_config, check_deepspeed_section, zero_stage
 from .host_memory import keep_freed_memory
 from .metrics_log import truncate_metrics
 from .outputs import MetricsLog, build_pipeline, sample_grid, untouched_rng
