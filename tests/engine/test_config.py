@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,31 @@ def test_set_names_a_misspelt_deepspeed_key_and_a_bad_optimizer_impl(tmp_path, t
     # optimizer.impl was checked only when the optimizer was built (after the digits tokenizer's minutes)
     with pytest.raises(ConfigError, match=r"impl must be 'torch' or 'apex', got 'foo'"):
         parse_vqlcmd_section({"optimizer": {"impl": "foo"}})
+
+
+def test_cli_refuses_a_second_run_into_a_held_folder_by_name(tmp_path, tiny_shards, make_config):
+    """Two launches into one train.output_dir wrote the same checkpoints (issue 47): the second is refused,
+    naming the folder and the live holder, and exits 2 without touching the first's files."""
+    import json as _json
+    import os
+    import signal
+
+    cfg = make_config(tmp_path, tiny_shards, steps=1000, log_every=1)
+    first = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(cfg),
+                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        for _ in range(600):  # until the first run is training (it holds the lock from before its first step)
+            if metrics.is_file() and metrics.read_text().strip():
+                break
+            assert first.poll() is None, first.stdout.read()
+            time.sleep(0.2)
+        second = _run_train(cfg)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is in use by another run (host" in second.stderr and f"PID {first.pid}" in second.stderr
+        holder = _json.loads((tmp_path / "run" / ".run.lock").read_text())
+        assert holder["pid"] == first.pid
+    finally:
+        os.kill(first.pid, signal.SIGTERM)  # stops at the next step with a checkpoint
+        first.wait(timeout=300)
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()
