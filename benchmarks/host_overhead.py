@@ -51,7 +51,7 @@ READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index
 
 def build_trainer(work: Path, size: str, batch: int, bf16, zero: dict, overrides: dict, compile_: bool,
                   ds_extra: dict):
-    from vqlcmd.engine.config import load_config
+    from vqlcmd.engine.config_file import load_config
     from vqlcmd.engine.trainer import Trainer
     from vqlcmd.model import preset_config
 

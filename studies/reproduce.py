@@ -28,7 +28,7 @@ import torch
 from benchmarks.run import git_commit
 from vqlcmd.cli import json_object, non_negative_float, non_negative_int, positive_int, seed_int
 from vqlcmd.engine.checkpoint import atomic_write_text
-from vqlcmd.engine.config import load_config, parse_vqlcmd_section, resolve_config_path
+from vqlcmd.engine.config_file import load_config, parse_vqlcmd_section, resolve_config_path
 
 # row name -> (label, vqlcmd-section overrides). VQ-LCMD rows also get --ns-shift (the "NS" of the paper).
 ROWS = {

@@ -48,7 +48,7 @@ def _files_changed_since(start: float) -> list:
 
 
 def test_the_installed_package_is_imported_with_the_shipped_configs(installed, tmp_path):
-    run = subprocess.run([str(installed / "python"), "-c", "import vqlcmd, vqlcmd.engine.config as c; "
+    run = subprocess.run([str(installed / "python"), "-c", "import vqlcmd, vqlcmd.engine.config_file as c; "
                           "print(vqlcmd.__file__); print(c.resolve_config_path('ds_digits.json'))"],
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,6 +1,8 @@
 """The package's shape (issue 46): imports point one way, methods are registered rather than branched on,
 and files stay small enough to read in one sitting."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,33 @@ def test_function_level_imports_count(tmp_path):
     src = tmp_path / "mod.py"
     src.write_text("def f():\n    from ..pipeline import X\n    import vqlcmd.ops\n")
     assert _imports(src, "vqlcmd.engine.mod") == {"vqlcmd.pipeline", "vqlcmd.pipeline.X", "vqlcmd.ops"}
+
+
+def test_the_config_schema_imports_nothing_of_the_package():
+    """engine/config.py is the experiment's whole schema, read in one place: standard library only, at module
+    level or inside a function, so nothing of the package runs when it loads."""
+    path = PACKAGE / "engine" / "config.py"
+    assert _imports(path, "vqlcmd.engine.config") == set()
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    tops = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"line {node.lineno}: a relative import"
+            tops.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            tops.update(a.name.split(".")[0] for a in node.names)
+    assert tops <= stdlib, f"not the standard library: {sorted(tops - stdlib)}"
+
+
+def test_the_config_schema_loads_alone():
+    """Importing it (which runs vqlcmd/ and vqlcmd/engine/'s __init__ first) loads no other module of the
+    package, nor torch: the lower layers import their names from it, so those files must stay light too."""
+    code = ("import sys, vqlcmd.engine.config; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('vqlcmd.', 'torch.'))))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[0] == "['vqlcmd.engine', 'vqlcmd.engine.config']", run.stdout
 
 
 def _method_comparisons(tree) -> list:

@@ -14,7 +14,6 @@ import json
 import hashlib
 import importlib
 import os
-import shutil
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -27,11 +26,11 @@ from .model import DenoiserConfig
 from .network import VQLCMDNetwork
 from .ops._checks import checked_guidance
 from .pipeline_call import diffusers_style, progress_bar_kwargs
+from .engine.manifest import MANIFEST, ManifestError, NoManifest, verify_manifest, write_manifest
+from .pipeline_folder import CONFIG, TOKENIZER_DIR, WEIGHTS, _load_tokenizer, _user_mode, save_tokenizer  # noqa: F401
 from .samplers import Generators, checked_interval, class_label_tensor, sample_tokens
 from .schedule import ShiftedCosineSchedule
 
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
-TOKENIZER_DIR = "tokenizer"  # the tokenizer's subfolder in a pipeline folder
 SAVE_ID = "save_id"  # in config.json and the weights' metadata: one save wrote both
 FAST_MODES = ("compile", "cudagraphs")
 
@@ -92,48 +91,19 @@ class VQLCMDPipeline:
         # Both files are written under temporary names and renamed in, so neither is ever half written. The
         # two renames are not one step: both carry the same save id, and a reader that meets the new weights
         # with the old config (the trainer re-exports with every checkpoint) is told, not given a mix.
-        config["tokenizer"] = self._save_tokenizer(folder)
+        config["tokenizer"] = save_tokenizer(self.tokenizer, self.tokenizer_ref, folder)
         save_id = _content_id(state, config)  # the same save twice: the same bytes (sample.py hashes them)
         config[SAVE_ID] = save_id
+        (folder / MANIFEST).unlink(missing_ok=True)  # while rewritten: unverified (the save ids still pair files)
         save_file(state, str(folder / (WEIGHTS + ".tmp")), metadata={SAVE_ID: save_id})
         _user_mode(folder / (WEIGHTS + ".tmp"))  # safetensors creates its files 0600
         (folder / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2, default=str))
         os.replace(folder / (WEIGHTS + ".tmp"), folder / WEIGHTS)
         os.replace(folder / (CONFIG + ".tmp"), folder / CONFIG)
+        # last: each file's size and checksum, which from_pretrained verifies; not config.json, which users may
+        # edit (tokenizer.path) and whose pairing with the weights the save id checks
+        write_manifest(folder, exclude=(CONFIG,))
         return folder
-
-    def _save_tokenizer(self, folder: Path) -> dict:
-        """The tokenizer saved inside the pipeline folder (``tokenizer/``, as diffusers pipelines keep their
-        parts) and named relative to it, so that a copied or moved folder still decodes; returns the reference
-        for config.json. A folder that already holds this tokenizer keeps it (the trainer re-exports the
-        pipeline with every checkpoint)."""
-        ref = dict(self.tokenizer_ref)
-        model = getattr(self.tokenizer, "model", None)
-        if not hasattr(model, "save_pretrained"):  # no tokenizer object: the reference as it was
-            return ref
-        ref["path"] = TOKENIZER_DIR
-        ref["identifier"] = getattr(self.tokenizer, "identifier", None) or ref.get("identifier")
-        try:
-            had = (json.loads((folder / CONFIG).read_text()).get("tokenizer") or {})
-        except (OSError, ValueError):
-            had = {}
-        if (had.get("path") == TOKENIZER_DIR and had.get("identifier") == ref["identifier"]
-                and (folder / TOKENIZER_DIR / "config.json").is_file()):
-            return ref
-        staging, old = folder / (TOKENIZER_DIR + ".tmp"), folder / (TOKENIZER_DIR + ".old")
-        for leftover in (staging, old):
-            if leftover.exists():
-                shutil.rmtree(leftover)
-        model.save_pretrained(str(staging))
-        for f in staging.rglob("*"):
-            if f.is_file():
-                _user_mode(f)
-        if (folder / TOKENIZER_DIR).exists():
-            os.replace(folder / TOKENIZER_DIR, old)
-        os.replace(staging, folder / TOKENIZER_DIR)
-        if old.exists():
-            shutil.rmtree(old)
-        return ref
 
     @classmethod
     def from_pretrained(cls, folder: Union[str, Path], *, device: Union[str, torch.device] = "cpu",
@@ -173,6 +143,13 @@ class VQLCMDPipeline:
             kind = cls.__name__.removesuffix("Pipeline")
             raise ValueError(f"{folder}: a {method} pipeline, not a {kind} one; load it with "
                              f"{saved_cls.__name__}.from_pretrained")
+        try:
+            verify_manifest(folder)
+        except NoManifest:  # exported before manifests, or caught mid-rewrite: the save ids still check the pair
+            pass
+        except ManifestError as exc:  # names the file
+            what = "unreadable weights, truncated or corrupt" if exc.path.name == WEIGHTS else "damaged file"
+            raise ValueError(f"{exc.path}: {what} ({exc.reason}); export the pipeline again") from exc
         network = VQLCMDNetwork(den_cfg, l2_normalize=l2_normalize)
         try:
             with safe_open(str(folder / WEIGHTS), framework="pt") as f:  # one open: tensors and id of one file
@@ -467,32 +444,3 @@ def to_pil(images: torch.Tensor):
 
     arr = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arr]
-
-
-def _user_mode(path: Path) -> None:
-    """The mode a plain ``open`` would have given the file (0666 less the umask): files written through a
-    library that creates them private (0600) are readable by whom the user's other files are."""
-    try:  # Linux: read without changing it (os.umask can only be read by setting it, racing other threads)
-        umask = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
-                         if line.startswith("Umask:")), 8)
-    except (OSError, StopIteration, ValueError):
-        umask = os.umask(0o022)
-        os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def _load_tokenizer(folder: Path, ref: dict, device):
-    from .tokenizer import load_tokenizer
-
-    path = Path(ref["path"])
-    if not path.is_absolute():
-        path = folder / path
-    if not path.exists():
-        raise FileNotFoundError(f"tokenizer folder {path} named by {folder / CONFIG} is missing: restore it, or "
-                                "point tokenizer.path there at its new place (from Python, tokens alone need none: "
-                                "load_tokenizer=False, output_type='tokens')")
-    tok = load_tokenizer(path)
-    if ref.get("identifier") and getattr(tok, "identifier", None) not in (None, ref["identifier"]):
-        raise ValueError(f"tokenizer at {path} has identifier {tok.identifier}, but the model was trained on "
-                         f"tokens of {ref['identifier']}")
-    return tok.to(device) if hasattr(tok, "to") else tok

@@ -13,13 +13,13 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from . import ops
+# the names and the guidance interval a config chooses: defined with the schema, re-exported here
+from .engine.config import EVERY_T, FINALS, SAMPLERS, checked_interval  # noqa: F401
 from .model import Denoiser
 from .ops._checks import checked_guidance
 from .ops.reference import guided_log_probs
 from .schedule import ShiftedCosineSchedule
 
-SAMPLERS = ("ancestral", "ddim")
-FINALS = ("sample", "argmax")  # the last draw: x ~ P(x | z_0; 0), or its argmax
 
 # One generator for the batch, or one per sample: then a sample's noise does not depend on which batch
 # (or rank) draws it, which is what per-image seeds in scripts/sample.py rely on.
@@ -111,22 +111,6 @@ def _count(name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
-
-
-EVERY_T = (0.0, 1.0)  # the guidance interval that guides every call, as the paper samples
-
-
-def checked_interval(interval) -> tuple[float, float]:
-    """``guidance_interval`` as (lo, hi) with 0 <= lo <= hi <= 1; None is every noise level, ``EVERY_T``."""
-    if interval is None:
-        return EVERY_T
-    try:
-        lo, hi = (float(v) for v in interval)
-    except (TypeError, ValueError):
-        raise ValueError(f"guidance_interval must be two noise levels [lo, hi] in [0, 1], got {interval!r}") from None
-    if not 0.0 <= lo <= hi <= 1.0:
-        raise ValueError(f"guidance_interval must satisfy 0 <= lo <= hi <= 1, got [{lo:g}, {hi:g}]")
-    return lo, hi
 
 
 def resolve_labels(num_classes: int, class_labels, num_samples, guidance_scale: float, device):

@@ -4,7 +4,8 @@ import torch
 
 from vqlcmd.baselines import CSDM_SWITCHES, codebook_from_tokenizer
 from vqlcmd.methods import METHODS, apply_method, build_network
-from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config, parse_vqlcmd_section
 
 
 def test_methods_set_the_papers_switches():

@@ -10,7 +10,8 @@ from image_tree import SIZES, write_tree
 
 from vqlcmd.data import TokenShardDataset, list_images
 from vqlcmd.data.online import OnlineTokenLoader
-from vqlcmd.engine.config import ConfigError, load_config
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config
 from vqlcmd.engine.distributed import data_identity
 from vqlcmd.engine.trainer import Trainer
 from vqlcmd.tokenizer import load_tokenizer, small_vqmodel
@@ -162,7 +163,7 @@ def test_unreadable_images_are_skipped_by_name_counted_and_training_goes_on(data
     ({"source": "tokens"}, r"source must be one of shards, images, got 'tokens'"),
 ])
 def test_data_section_errors(data_section, match):
-    from vqlcmd.engine.config import parse_vqlcmd_section
+    from vqlcmd.engine.config_file import parse_vqlcmd_section
 
     with pytest.raises(ConfigError, match=r"vqlcmd\.data: " + match):
         parse_vqlcmd_section({"data": data_section})

@@ -1,11 +1,13 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section, resolve_config_path
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config, parse_vqlcmd_section, resolve_config_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -292,7 +294,7 @@ def test_values_that_failed_late_are_config_errors(section, match):
 def test_cli_set_reaches_the_deepspeed_part(tmp_path, tiny_shards, make_config):
     """`--set train_batch_size=16` was 'unknown key vqlcmd.train_batch_size': the only way to shrink a
     shipped config's batch for a small data set was to copy the file."""
-    from vqlcmd.engine.config import is_deepspeed_key
+    from vqlcmd.engine.ds_config import is_deepspeed_key
 
     assert [is_deepspeed_key(k) for k in ("train_batch_size", "zero_optimization.stage", "bf16.enabled",
                                            "optimizer.lr", "train.steps", "gradient_clippin")] == \
@@ -320,10 +322,38 @@ def test_a_run_too_short_for_its_warm_up_or_ema_is_warned_about():
 def test_set_names_a_misspelt_deepspeed_key_and_a_bad_optimizer_impl(tmp_path, tiny_shards, make_config):
     typo = _run_train(make_config(tmp_path, tiny_shards), "--set", "gradient_clippin=1")
     assert typo.returncode == 2 and "did you mean the DeepSpeed key 'gradient_clipping'" in typo.stderr
-    from vqlcmd.engine.config import near_deepspeed_key
+    from vqlcmd.engine.ds_config import near_deepspeed_key
 
     for near_a_section in ("optimiser.lr", "schedul.shift"):  # vqlcmd's error names those sections' keys
         near_deepspeed_key(near_a_section)
     # optimizer.impl was checked only when the optimizer was built (after the digits tokenizer's minutes)
     with pytest.raises(ConfigError, match=r"impl must be 'torch' or 'apex', got 'foo'"):
         parse_vqlcmd_section({"optimizer": {"impl": "foo"}})
+
+
+def test_cli_refuses_a_second_run_into_a_held_folder_by_name(tmp_path, tiny_shards, make_config):
+    """Two launches into one train.output_dir wrote the same checkpoints (issue 47): the second is refused,
+    naming the folder and the live holder, and exits 2 without touching the first's files."""
+    import json as _json
+    import os
+    import signal
+
+    cfg = make_config(tmp_path, tiny_shards, steps=1000, log_every=1)
+    first = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(cfg),
+                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        for _ in range(600):  # until the first run is training (it holds the lock from before its first step)
+            if metrics.is_file() and metrics.read_text().strip():
+                break
+            assert first.poll() is None, first.stdout.read()
+            time.sleep(0.2)
+        second = _run_train(cfg)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is in use by another run (host" in second.stderr and f"PID {first.pid}" in second.stderr
+        holder = _json.loads((tmp_path / "run" / ".run.lock").read_text())
+        assert holder["pid"] == first.pid
+    finally:
+        os.kill(first.pid, signal.SIGTERM)  # stops at the next step with a checkpoint
+        first.wait(timeout=300)
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()

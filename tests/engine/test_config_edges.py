@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section, repo_path
+from vqlcmd.engine.config import ConfigError, repo_path
+from vqlcmd.engine.config_file import load_config, parse_vqlcmd_section
 
 
 def test_the_documented_edge_values_are_accepted():

@@ -32,7 +32,7 @@ def test_a_bad_deepspeed_key_is_one_line_from_train_py(monkeypatch, capsys, sett
 
 
 def test_the_shipped_deepspeed_sections_pass():
-    from vqlcmd.engine.config import load_config
+    from vqlcmd.engine.config_file import load_config
 
     for name in sorted(p.name for p in (REPO / "configs").glob("ds_*.json")):
         load_config(name)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from vqlcmd.engine.config import load_config
+from vqlcmd.engine.config_file import load_config
 from vqlcmd.engine.trainer import NonFiniteLossError, Trainer
 
 READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__")

@@ -137,7 +137,7 @@ def test_a_trainers_checkpoints_carry_manifests_and_a_corrupt_one_falls_back_to_
     DeepSpeed wrote; a byte flipped in the newest one's optimizer state is set aside, and the run resumed
     from the one before trains on exactly as the uninterrupted run did."""
     from vqlcmd.engine import checkpoint_folder as ckpt
-    from vqlcmd.engine.config import load_config
+    from vqlcmd.engine.config_file import load_config
     from vqlcmd.engine.trainer import Trainer
 
     def train(root, steps, **kw):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from vqlcmd.engine import precision
-from vqlcmd.engine.config import ConfigError, load_config
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config
 from vqlcmd.engine.precision import resolve_bf16
 
 CPU = torch.device("cpu")

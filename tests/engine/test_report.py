@@ -5,7 +5,7 @@ from pathlib import Path
 from PIL import Image
 
 from vqlcmd.data.digits import DIGITS_SOURCE
-from vqlcmd.engine.config import load_config
+from vqlcmd.engine.config_file import load_config
 from vqlcmd.engine.report import final_report, on_digits
 from vqlcmd.engine.trainer import Trainer
 

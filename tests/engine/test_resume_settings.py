@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from vqlcmd.engine.config import ConfigError, load_config, parse_vqlcmd_section
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config, parse_vqlcmd_section
 from vqlcmd.engine.trainer import Trainer
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from vqlcmd.engine.checkpoint import CheckpointManager
-from vqlcmd.engine.config import ConfigError, load_config
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config
 from vqlcmd.engine.trainer import NonFiniteLossError, Trainer
 from vqlcmd.pipeline import VQLCMDPipeline
 
@@ -77,7 +78,7 @@ def test_exported_pipeline_loads_and_samples(tmp_path, tiny_shards, trainer):
     tr = trainer(tmp_path, tiny_shards, steps=2)
     tr.train(progress=False)
     folder = tmp_path / "run" / "pipeline"
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]  # (issue 45: the manifest)
     pipe = VQLCMDPipeline.from_pretrained(folder)
     # the exported weights are the sampling EMA's
     for a, b in zip(pipe.network.parameters(), tr.sampling_ema.module.parameters()):
@@ -257,7 +258,7 @@ def test_resume_with_another_setup_is_refused_up_front(tmp_path, tiny_shards, ma
     for key, value in change.items():
         if key not in ("micro", "stage"):
             section[key] = {**section[key], **value} if key == "train" else value
-    from vqlcmd.engine.config import parse_vqlcmd_section
+    from vqlcmd.engine.config_file import parse_vqlcmd_section
 
     ds2 = {**ds, "train_micro_batch_size_per_gpu": change.get("micro", 8),
            "zero_optimization": {**ds["zero_optimization"], "stage": change.get("stage", 2)}}
@@ -285,7 +286,7 @@ def test_resume_on_other_shards_is_refused_up_front(tmp_path, tiny_shards, train
 def test_a_resume_trains_with_the_configs_rates(tmp_path, tiny_shards, make_config):
     """The checkpoint brought back the old lr, betas, weight decay and EMA rates, while config.json and the pipeline
     recorded the new ones."""
-    from vqlcmd.engine.config import parse_vqlcmd_section
+    from vqlcmd.engine.config_file import parse_vqlcmd_section
 
     ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=4)))
     Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False, until=2)
@@ -306,7 +307,7 @@ def test_a_resume_trains_with_the_configs_rates(tmp_path, tiny_shards, make_conf
 def test_same_model_spelled_differently_still_resumes(tmp_path, tiny_shards, make_config):
     ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, steps=2)))
     Trainer(ds, cfg, log=lambda *a, **k: None).train(progress=False)
-    from vqlcmd.engine.config import parse_vqlcmd_section
+    from vqlcmd.engine.config_file import parse_vqlcmd_section
 
     section = cfg.to_dict()
     # the tiny preset's own depth; the attention path changes neither the weights nor the function

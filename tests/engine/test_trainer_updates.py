@@ -7,7 +7,7 @@ import torch
 
 from vqlcmd.data.loader import ShardLoader
 from vqlcmd.diffusion import training_losses
-from vqlcmd.engine.config import load_config, parse_vqlcmd_section
+from vqlcmd.engine.config_file import load_config, parse_vqlcmd_section
 from vqlcmd.engine.trainer import Trainer
 
 

@@ -31,6 +31,10 @@ def saved(tiny_pipeline, tmp_path):
 def test_a_pickle_in_place_of_the_pipeline_weights_is_refused_by_name(saved, tmp_path):
     marker = tmp_path / "MARKER"
     _poison(saved / "model.safetensors", marker)
+    # the folder's manifest refuses the swapped file before anything reads it
+    with pytest.raises(ValueError, match=rf"{saved / 'model.safetensors'}: unreadable weights.*the manifest says"):
+        VQLCMDPipeline.from_pretrained(saved)
+    (saved / "manifest.json").unlink()  # a folder exported before manifests: the loader itself refuses it
     with pytest.raises(ValueError, match=rf"{saved / 'model.safetensors'}: unreadable weights"):
         VQLCMDPipeline.from_pretrained(saved)
     assert not marker.exists()

@@ -20,7 +20,7 @@ LABELS = [0, 1, 2, 3, 0, 1]
 @pytest.mark.parametrize("sampler", ["ancestral", "ddim"])
 def test_round_trip_gives_the_same_samples(tiny_pipeline, tmp_path, sampler):
     folder = tiny_pipeline.save_pretrained(tmp_path / "pipe")
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json", "model.safetensors", "tokenizer"]
     config = json.loads((folder / "config.json").read_text())
     assert config["class_names"] == list("abcd") and config["sample"]["num_steps"] == 4
     loaded = VQLCMDPipeline.from_pretrained(folder)

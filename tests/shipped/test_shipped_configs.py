@@ -74,7 +74,7 @@ def runs_dir(tmp_path):
 
 def _trained_as_shipped(run_dir: Path, config: str) -> None:
     """The run's recorded config is the file's, but for what --set changed."""
-    from vqlcmd.engine.config import load_config
+    from vqlcmd.engine.config_file import load_config
     from vqlcmd.engine.precision import resolve_bf16
 
     ds, cfg = load_config(config)

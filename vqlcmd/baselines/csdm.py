@@ -11,11 +11,12 @@ embeddings only the denoiser learns from it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Union
 
 import torch
+
+from ..engine.config import CSDMConfig  # noqa: F401  (the schema; re-exported)
 
 # The switches each method forces, as (section, key) -> value. Applied on top of whatever the config
 # file says, so that the resolved config stored with a run shows what actually trained.
@@ -26,17 +27,6 @@ CSDM_SWITCHES = {
     "csdm": {**_CSDM_COMMON, ("embedding", "frozen"): False, ("embedding", "l2_normalize"): False},
     "csdm_l2": {**_CSDM_COMMON, ("embedding", "frozen"): False, ("embedding", "l2_normalize"): True},
 }
-
-
-@dataclass
-class CSDMConfig:
-    # Our choice (paper silent): scale the frozen codebook by one scalar so its mean row norm is D^{1/4},
-    # the expected norm of the paper's N(0, D^{-1/2}) init; the schedule then means the same SNR as for
-    # the learned embeddings, and the codebook's geometry (all distances up to that factor) is kept.
-    codebook_rescale: bool = True
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def codebook_from_tokenizer(tokenizer_dir: Union[str, Path], rescale: bool = True) -> torch.Tensor:

@@ -13,41 +13,16 @@ ramps linearly from 0 to ω.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..diffusion.losses import drop_labels
+from ..engine.config import MASK_SCHEDULES, MaskGITConfig  # noqa: F401  (the schema; re-exported)
 from ..network import VQLCMDNetwork
 from ..pipeline import VQLCMDPipeline
 from ..samplers import Generators, multinomial_rows, rand, resolve_labels
-
-MASK_SCHEDULES = ("cosine", "arccos", "linear", "square")
-
-
-@dataclass
-class MaskGITConfig:
-    train_schedule: str = "cosine"  # γ(r) of the training mask ratio (Chang et al.: cosine)
-    label_smoothing: float = 0.1  # Besnier & Chen train with 0.1
-    sample_schedule: str = "arccos"  # tokens unmasked per step (Besnier & Chen's default)
-    num_steps: int = 8  # the paper's ImageNet MaskGIT rows use 8 (its unconditional table: 200 for every model)
-    gumbel_temperature: float = 4.5  # r_temp; the noise decays linearly to 0 over the steps
-    softmax_temperature: float = 1.0  # logits are multiplied by it before the softmax
-    guidance_ramp: bool = True  # ω · n / (N − 1) at step n (Besnier & Chen); False: constant ω
-
-    def __post_init__(self):
-        for name in ("train_schedule", "sample_schedule"):
-            if getattr(self, name) not in MASK_SCHEDULES:
-                raise ValueError(f"{name} must be one of {MASK_SCHEDULES}, got {getattr(self, name)!r}")
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def mask_ratio(r: torch.Tensor, schedule: str) -> torch.Tensor:

@@ -22,7 +22,9 @@ import argparse
 import json
 import signal
 
-from vqlcmd.engine.config import ConfigError, is_deepspeed_key, load_config, near_deepspeed_key  # noqa: E402
+from vqlcmd.engine.config import ConfigError  # noqa: E402
+from vqlcmd.engine.config_file import load_config  # noqa: E402
+from vqlcmd.engine.ds_config import is_deepspeed_key, near_deepspeed_key  # noqa: E402
 from vqlcmd.cli import add_threads_option  # noqa: E402
 
 

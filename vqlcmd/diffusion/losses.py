@@ -3,65 +3,22 @@
     L = L0 + β_DM · L_DM + β_CM · L_CM
 
 Takes the networks as arguments (the model is a pure denoiser). Every ablation
-switch of the paper is a field of :class:`LossConfig`.
+switch of the paper is a field of :class:`LossConfig` (defined with the experiment's schema,
+``vqlcmd.engine.config``).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import warnings
-from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..engine.config import DROP_STRATEGIES, WEIGHTINGS, LossConfig  # noqa: F401  (the schema; re-exported)
 from ..network import VQLCMDNetwork
 from ..schedule import ShiftedCosineSchedule
-
-DROP_STRATEGIES = ("fixed", "linear", "random_ratio", "none")
-WEIGHTINGS = ("lcmd", "vlb")
-
-
-@dataclass
-class LossConfig:
-    beta_dm: float = 0.005  # paper default
-    beta_cm: float = 1.0  # paper default; 0 = ablation "without L_CM"
-    p_drop: float = 0.2  # random dropping probability (paper default)
-    # "fixed": each token dropped with p_drop (paper "rand(r)"); "linear": ratio = t (paper "linear");
-    # "random_ratio": ratio ~ U(0,1) per image (paper "rand_drop"); "none": ablation "without RD"
-    drop_strategy: str = "fixed"
-    label_drop: float = 0.1  # labels set to null for classifier-free guidance (paper: 10%)
-    # "lcmd": β_DM · L_DM, uniformly weighted (paper §4.2); "vlb": the plain VLB weight -½ SNR'(t) on L_DM
-    # (ablation; the paper's L_∞, which has no β: beta_dm does not apply)
-    weighting: str = "lcmd"
-    # Our choice (paper silent): L0 decodes the clean, undropped z_0 ~ q(z_0 | x) as in the VLB.
-    drop_in_l0: bool = False
-    # Our choice: L0 is estimated on the first ceil(l0_fraction * B) images of the (shuffled) batch,
-    # an unbiased estimate of the same expectation. 1.0 = every image; below 1 the extra z_0 rows,
-    # a third of a step's FLOPs at 1.0, shrink with it (L0 is ~1e-3 nats after a few hundred steps).
-    l0_fraction: float = 1.0
-
-    def __post_init__(self):
-        if self.drop_strategy not in DROP_STRATEGIES:
-            raise ValueError(f"drop_strategy must be one of {DROP_STRATEGIES}, got {self.drop_strategy!r}")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if not 0.0 < self.l0_fraction <= 1.0:
-            raise ValueError(f"l0_fraction must be in (0, 1], got {self.l0_fraction}")
-        for name in ("p_drop", "label_drop"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("beta_dm", "beta_cm"):  # a negative weight trains the model away from its target
-            if not 0.0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if self.weighting == "vlb" and self.beta_dm != LossConfig.beta_dm:
-            warnings.warn(f"loss.beta_dm = {self.beta_dm} is not used: the vlb weighting (the paper's L_∞) weights "
-                          "L_DM by -½ SNR'(t) alone, without β_DM", UserWarning, stacklevel=3)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _rand(shape, device, generator) -> torch.Tensor:

@@ -1,32 +1,36 @@
-"""Experiment configuration: one JSON file with DeepSpeed's keys plus a ``vqlcmd`` section.
+"""The experiment's schema: one JSON file holds DeepSpeed's keys plus a ``vqlcmd`` section, and this module
+is the ``vqlcmd`` section, every key of it, as dataclasses with their defaults and range checks.
 
-The ``vqlcmd`` section is parsed into dataclasses; an unknown key anywhere in it
-is an error naming the key and where it stood, so a typo never silently trains
-with a default. The resolved configuration (defaults filled in) is stored with
-every checkpoint and exported pipeline.
+It imports the standard library only, so the whole schema reads in one place and nothing of the package runs
+when it loads. The names a key may take (samplers, backends, loss strategies) are defined here and imported
+by the modules that implement them. What needs the package to check (a model preset and its overrides, the
+method's name) and reading a file are in ``config_file``; the DeepSpeed keys are checked in ``ds_config``.
+
+An unknown key anywhere in the section is an error naming the key and where it stood, so a typo never
+silently trains with a default. The resolved configuration (defaults filled in) is stored with every
+checkpoint and exported pipeline.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import typing
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from ..baselines import CSDMConfig, MaskGITConfig
-from ..diffusion import LossConfig
-from ..ops import BACKENDS
-from ..samplers import FINALS, SAMPLERS, checked_interval
-
+# The names a config chooses from, each the one definition its implementing module imports.
+BACKENDS = ("reference", "compiled", "triton")  # the fused ops' implementations (vqlcmd.ops)
 OP_BACKENDS = ("auto", *BACKENDS)
 DATA_SOURCES = ("shards", "images")
-
-# the shipped configs: package data (vqlcmd/configs links to the top-level configs/ in a checkout)
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+DROP_STRATEGIES = ("fixed", "linear", "random_ratio", "none")  # vqlcmd.diffusion.losses
+WEIGHTINGS = ("lcmd", "vlb")
+MASK_SCHEDULES = ("cosine", "arccos", "linear", "square")  # vqlcmd.baselines.maskgit
+SAMPLERS = ("ancestral", "ddim")  # vqlcmd.samplers
+FINALS = ("sample", "argmax")  # the last draw: x ~ P(x | z_0; 0), or its argmax
+EVERY_T = (0.0, 1.0)  # the guidance interval that guides every call, as the paper samples
 
 
 class ConfigError(ValueError):
@@ -42,36 +46,25 @@ def _require(section, rules: tuple[tuple[str, Callable[[Any], bool], str], ...])
             raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
+def checked_interval(interval) -> tuple[float, float]:
+    """``guidance_interval`` as (lo, hi) with 0 <= lo <= hi <= 1; None is every noise level, ``EVERY_T``."""
+    if interval is None:
+        return EVERY_T
+    try:
+        lo, hi = (float(v) for v in interval)
+    except (TypeError, ValueError):
+        raise ValueError(f"guidance_interval must be two noise levels [lo, hi] in [0, 1], got {interval!r}") from None
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"guidance_interval must satisfy 0 <= lo <= hi <= 1, got [{lo:g}, {hi:g}]")
+    return lo, hi
+
+
 @dataclass
 class ModelSection:
     preset: str = "digits-1m"
-    overrides: dict = field(default_factory=dict)  # any DenoiserConfig field, e.g. {"depth": 6}
-
-    def __post_init__(self):
-        # checked here, as every other key is: else a bad one failed only once the model was built (after the
-        # digits tokenizer's minutes), in a traceback that named no key
-        from ..model import DenoiserConfig
-
-        fields = {f.name: type(f.default) for f in dataclasses.fields(DenoiserConfig)}
-        for key, value in self.overrides.items():
-            kind = fields.get(key)
-            if kind is None:
-                raise ValueError(f"overrides.{key} is not a denoiser setting (known: {', '.join(fields)})")
-            least = 0 if key == "num_classes" else 1
-            ok = {int: isinstance(value, int) and not isinstance(value, bool) and value >= least,
-                  float: _finite_number(value) and value >= 0,
-                  bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
-            if not ok:
-                what = {int: f"an integer >= {least}", float: "a finite number >= 0"}.get(kind, f"a {kind.__name__}")
-                raise ValueError(f"overrides.{key} must be {what}, got {value!r}")
-        from ..model import preset_config
-
-        try:  # the preset with these overrides: the denoiser config's own checks (width vs heads, ...)
-            preset_config(self.preset, **self.overrides)
-        except KeyError as exc:
-            raise ValueError(f"preset: {exc.args[0]}") from None
-        except ValueError as exc:
-            raise ValueError(f"preset {self.preset!r} with overrides {self.overrides}: {exc}") from None
+    # any DenoiserConfig field, e.g. {"depth": 6}; the preset and these are checked against the denoiser's own
+    # settings while the file is parsed (config_file.check_model_section: they need vqlcmd.model)
+    overrides: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +99,47 @@ class DataSection:
         elif self.images is not None or self.flip:  # read by source "images" only: it would be ignored silently
             raise ValueError(f"{'images' if self.images is not None else 'flip'} is read with source 'images' only "
                              "(this run reads token shards; tokenize flipped copies with vqlcmd-tokenize --flip)")
+
+
+# The VQ-LCMD objective's switches (vqlcmd.diffusion.losses; docs/method.md §7-8)
+@dataclass
+class LossConfig:
+    beta_dm: float = 0.005  # paper default
+    beta_cm: float = 1.0  # paper default; 0 = ablation "without L_CM"
+    p_drop: float = 0.2  # random dropping probability (paper default)
+    # "fixed": each token dropped with p_drop (paper "rand(r)"); "linear": ratio = t (paper "linear");
+    # "random_ratio": ratio ~ U(0,1) per image (paper "rand_drop"); "none": ablation "without RD"
+    drop_strategy: str = "fixed"
+    label_drop: float = 0.1  # labels set to null for classifier-free guidance (paper: 10%)
+    # "lcmd": β_DM · L_DM, uniformly weighted (paper §4.2); "vlb": the plain VLB weight -½ SNR'(t) on L_DM
+    # (ablation; the paper's L_∞, which has no β: beta_dm does not apply)
+    weighting: str = "lcmd"
+    # Our choice (paper silent): L0 decodes the clean, undropped z_0 ~ q(z_0 | x) as in the VLB.
+    drop_in_l0: bool = False
+    # Our choice: L0 is estimated on the first ceil(l0_fraction * B) images of the (shuffled) batch,
+    # an unbiased estimate of the same expectation. 1.0 = every image; below 1 the extra z_0 rows,
+    # a third of a step's FLOPs at 1.0, shrink with it (L0 is ~1e-3 nats after a few hundred steps).
+    l0_fraction: float = 1.0
+
+    def __post_init__(self):
+        if self.drop_strategy not in DROP_STRATEGIES:
+            raise ValueError(f"drop_strategy must be one of {DROP_STRATEGIES}, got {self.drop_strategy!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if not 0.0 < self.l0_fraction <= 1.0:
+            raise ValueError(f"l0_fraction must be in (0, 1], got {self.l0_fraction}")
+        for name in ("p_drop", "label_drop"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("beta_dm", "beta_cm"):  # a negative weight trains the model away from its target
+            if not 0.0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.weighting == "vlb" and self.beta_dm != LossConfig.beta_dm:
+            warnings.warn(f"loss.beta_dm = {self.beta_dm} is not used: the vlb weighting (the paper's L_∞) weights "
+                          "L_DM by -½ SNR'(t) alone, without β_DM", UserWarning, stacklevel=3)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -210,6 +244,41 @@ class SampleSection:
                         ("final", lambda v: v in FINALS, f"one of {', '.join(FINALS)}")))
 
 
+# The baselines' sections (vqlcmd.baselines)
+@dataclass
+class MaskGITConfig:
+    train_schedule: str = "cosine"  # γ(r) of the training mask ratio (Chang et al.: cosine)
+    label_smoothing: float = 0.1  # Besnier & Chen train with 0.1
+    sample_schedule: str = "arccos"  # tokens unmasked per step (Besnier & Chen's default)
+    num_steps: int = 8  # the paper's ImageNet MaskGIT rows use 8 (its unconditional table: 200 for every model)
+    gumbel_temperature: float = 4.5  # r_temp; the noise decays linearly to 0 over the steps
+    softmax_temperature: float = 1.0  # logits are multiplied by it before the softmax
+    guidance_ramp: bool = True  # ω · n / (N − 1) at step n (Besnier & Chen); False: constant ω
+
+    def __post_init__(self):
+        for name in ("train_schedule", "sample_schedule"):
+            if getattr(self, name) not in MASK_SCHEDULES:
+                raise ValueError(f"{name} must be one of {MASK_SCHEDULES}, got {getattr(self, name)!r}")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class CSDMConfig:
+    # Our choice (paper silent): scale the frozen codebook by one scalar so its mean row norm is D^{1/4},
+    # the expected norm of the paper's N(0, D^{-1/2}) init; the schedule then means the same SNR as for
+    # the learned embeddings, and the codebook's geometry (all distances up to that factor) is kept.
+    codebook_rescale: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
 class VQLCMDConfig:
     # "vqlcmd", or a baseline of the paper in the same engine (vqlcmd/baselines): "maskgit", "csdm_fixed"
@@ -287,204 +356,15 @@ def _finite_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def parse_vqlcmd_section(section: dict) -> VQLCMDConfig:
-    from ..methods import METHODS, apply_method
-
-    cfg = _build(VQLCMDConfig, section, "vqlcmd")
-    if cfg.method not in METHODS:
-        raise ConfigError(f"vqlcmd.method must be one of {', '.join(METHODS)}, got {cfg.method!r}")
-    return apply_method(cfg)
+def parse_sections(section: Any) -> VQLCMDConfig:
+    """The ``vqlcmd`` section as dataclasses: every key known, typed and in range. The checks that need the
+    package (the model preset, the method's name) follow in ``config_file.parse_vqlcmd_section``."""
+    return _build(VQLCMDConfig, section, "vqlcmd")
 
 
-def resolve_config_path(name: str) -> Path:
-    """``--config NAME``: a path (relative to the working directory), or the name of a shipped config."""
-    path = Path(os.path.expanduser(name))
-    if path.is_file():
-        return path
-    candidate = (CONFIG_DIR / name).resolve()
-    if candidate.is_file():
-        return candidate
-    shipped = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.json")))
-    raise ConfigError(f"config {name!r} not found (looked at {path.resolve()} and {candidate}; the shipped "
-                      f"configs: {shipped})")
-
-
-def load_config(name: str, edit: Optional[Callable[[dict], None]] = None,
-                edit_deepspeed: Optional[Callable[[dict], None]] = None) -> tuple[dict, VQLCMDConfig]:
-    """Returns (the DeepSpeed part of the file, the parsed vqlcmd section). ``edit`` changes the file's
-    vqlcmd section in place before it is parsed (``--set``): parsing forces a method's switches, so an edit
-    after it could change the method and keep the old one's switches. ``edit_deepspeed`` changes the
-    DeepSpeed part before it is checked."""
-    path = resolve_config_path(name)
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if "vqlcmd" not in raw:
-        raise ConfigError(f"{path}: missing the 'vqlcmd' section")
-    section = raw.pop("vqlcmd")
-    if edit is not None:
-        if not isinstance(section, dict):
-            raise ConfigError(f"vqlcmd must be a JSON object, got {type(section).__name__}")
-        edit(section)
-    cfg = parse_vqlcmd_section(section)
-    if edit_deepspeed is not None:
-        edit_deepspeed(raw)
-    check_deepspeed_section(raw, path)
-    return raw, cfg
-
-
-def _section_names() -> list:
+def section_names() -> list:
     """The vqlcmd section's own keys (model, data, loss, ..., optimizer)."""
-    return [f.name for f in fields(VQLCMDConfig)]
-
-
-def near_deepspeed_key(dotted: str) -> None:
-    """A ``--set`` key that is no vqlcmd section's but close to a DeepSpeed key (``gradient_clippin``): a
-    ConfigError saying which, as the config file's own check does (not 'unknown key vqlcmd....')."""
-    import difflib
-
-    first = dotted.split(".", 1)[0]
-    sections = _section_names()
-    if first in sections or difflib.get_close_matches(first, sections, n=1, cutoff=0.8):
-        return  # a vqlcmd section or a near miss of one ("optimiser"): vqlcmd's own error names its keys
-    # not the two DeepSpeed sections the engine refuses (its own optimizer and schedule are vqlcmd's)
-    usable = [k for k in _DEEPSPEED_KEYS if k not in ("optimizer", "scheduler")]
-    near = difflib.get_close_matches(first, usable, n=1, cutoff=0.8)
-    if near:
-        raise ConfigError(f"--set {dotted}: {first!r} is not a key; did you mean the DeepSpeed key {near[0]!r}?")
-
-
-def is_deepspeed_key(dotted: str) -> bool:
-    """Whether a ``--set`` key names the DeepSpeed part (``train_batch_size``, ``zero_optimization.stage``,
-    ``bf16.enabled``): its first name is a DeepSpeed key and not a vqlcmd section's (``optimizer`` is both,
-    and stays the vqlcmd one: the engine builds its own optimizer)."""
-    first = dotted.split(".", 1)[0]
-    return first in _DEEPSPEED_KEYS and first not in _section_names()
-
-
-# DeepSpeed keys a run of this engine may set. DeepSpeed ignores keys it does not read, so a misspelt one
-# ("gradient_clippin") trained without its setting and said nothing: a near miss of these is an error here.
-_DEEPSPEED_KEYS = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "bf16", "fp16", "amp", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
-    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "activation_checkpointing",
-    "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "data_types", "torch_autocast", "compile", "checkpoint",
-    "aio", "timers", "dataloader_drop_last", "data_efficiency", "curriculum_learning", "autotuning", "elasticity",
-    "compression_training", "pipeline", "eigenvalue", "progressive_layer_drop", "nebula", "hybrid_engine",
-    "weight_quantization", "graph_harvesting", "use_data_before_expert_parallelism", "mics_shard_size",
-)
-
-
-def check_deepspeed_section(ds: dict, path, *, warn: bool = True) -> None:
-    """Refuses what DeepSpeed would ignore silently or fail on late; ``warn``: also warn of unknown keys (the
-    trainer checks again what ``load_config`` checked, for configs built in code, without warning twice)."""
-    import difflib
-
-    for key in ds:
-        if key in _DEEPSPEED_KEYS:
-            continue
-        near = difflib.get_close_matches(key, _DEEPSPEED_KEYS, n=1, cutoff=0.8)
-        if near:
-            raise ConfigError(f"{path}: unknown DeepSpeed key {key!r}; did you mean {near[0]!r}? (DeepSpeed would "
-                              "ignore it without a word)")
-        if warn:
-            warnings.warn(f"{path}: {key!r} is not a DeepSpeed key this engine knows; DeepSpeed ignores keys it "
-                          "does not read", stacklevel=2)
-    for key in ("optimizer", "scheduler"):
-        if key in ds:  # deepspeed.initialize takes the client optimizer and schedule over these, silently
-            raise ConfigError(f"{path}: a DeepSpeed {key!r} section is not used: the engine builds AdamW and its "
-                              "warm-up + cosine schedule from vqlcmd.optimizer; set the rates there")
-    clip = ds.get("gradient_clipping", 0.0)
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
-        raise ConfigError(f"{path}: gradient_clipping must be a number >= 0 (0: off), got {clip!r}")
-    for section in ("zero_optimization", "bf16", "fp16"):  # (--set bf16=true reached .get on a bool)
-        if section in ds and not isinstance(ds[section], dict):
-            raise ConfigError(f"{path}: {section} must be a JSON object (e.g. {{\"enabled\": true}} or "
-                              f"{{\"stage\": 2}}), got {ds[section]!r}")
-    zero = ds.get("zero_optimization", {})
-    offload = [k for k in ("offload_optimizer", "offload_param")
-               if isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"]
-    if offload:
-        raise ConfigError(f"{path}: zero_optimization.{offload[0]} is not supported: ZeRO-Offload wants DeepSpeed's "
-                          "CPU Adam, and the engine's optimizer is torch's AdamW (or apex's FusedAdam)")
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or not isinstance(stage, int):
-        raise ConfigError(f"{path}: zero_optimization.stage must be the integer 0, 1 or 2, got {stage!r}")
-    if stage not in (0, 1, 2):
-        raise ConfigError(
-            f"{path}: zero_optimization.stage={stage} is not supported: the EMA teacher runs a full forward "
-            "every step and needs the whole parameter set on each rank; ZeRO-3 partitions parameters, so "
-            "use stage 0, 1 or 2 (which partition optimizer state and gradients only)"
-        )
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        value = ds.get(key)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
-    if ds.get("fp16", {}).get("enabled"):
-        raise ConfigError(f"{path}: fp16 training is not supported; use bf16 (or fp32)")
-    bf16 = ds.get("bf16", {}).get("enabled", False)
-    if not (isinstance(bf16, bool) or bf16 == "auto"):  # resolved by vqlcmd.engine.precision
-        raise ConfigError(f'{path}: bf16.enabled must be true, false or "auto", got {bf16!r}')
-    _check_with_deepspeed_models(ds, path)
-
-
-# The DeepSpeed sections that DeepSpeed parses with its own pydantic models (module, class): validated up front,
-# so that a misspelt key (zero_optimization.stagee) is one line naming it, not a pydantic traceback from
-# deepspeed.initialize after the data was prepared.
-_DEEPSPEED_MODELS = {
-    "zero_optimization": ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
-    "bf16": ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
-    "fp16": ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
-    "compile": ("deepspeed.compile.config", "CompileConfig"),
-    "comms_logger": ("deepspeed.comm.config", "CommsLoggerConfig"),
-    "tensorboard": ("deepspeed.monitor.config", "TensorBoardConfig"),
-    "wandb": ("deepspeed.monitor.config", "WandbConfig"),
-    "csv_monitor": ("deepspeed.monitor.config", "CSVConfig"),
-    "comet": ("deepspeed.monitor.config", "CometConfig"),
-    "hybrid_engine": ("deepspeed.runtime.config", "HybridEngineConfig"),
-}
-
-
-def _model_keys(model) -> list:
-    """A pydantic model's keys, under their names and aliases (``stage3_prefetch_bucket_size``)."""
-    return sorted({k for name, f in model.model_fields.items() for k in (name, f.alias) if k})
-
-
-def _check_with_deepspeed_models(ds: dict, path) -> None:
-    import difflib
-    import importlib
-
-    for key, (module, name) in _DEEPSPEED_MODELS.items():
-        section = ds.get(key)
-        if not isinstance(section, dict):
-            continue  # (absent, or a type refused above)
-        try:
-            model = getattr(importlib.import_module(module), name)
-            import pydantic
-        except (ImportError, AttributeError):  # another DeepSpeed version: deepspeed.initialize checks it
-            continue
-        if key == "bf16" and section.get("enabled") == "auto":
-            section = {**section, "enabled": True}  # resolved by vqlcmd.engine.precision before DeepSpeed sees it
-        try:
-            model(**section)
-        except pydantic.ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in (key, *err["loc"]))
-            if err["type"] == "extra_forbidden":
-                inner = model
-                for part in err["loc"][:-1]:  # a nested section's model (offload_optimizer.devicee)
-                    hint = inner.model_fields.get(part) if hasattr(inner, "model_fields") else None
-                    inner = getattr(hint, "annotation", None)
-                    inner = next((a for a in getattr(inner, "__args__", ()) if hasattr(a, "model_fields")), inner)
-                known = _model_keys(inner) if hasattr(inner, "model_fields") else []
-                near = difflib.get_close_matches(str(err["loc"][-1]), known, n=1, cutoff=0.6)
-                raise ConfigError(f"{path}: unknown DeepSpeed key {where}"
-                                  + (f"; did you mean {near[0]!r}?" if near else
-                                     f" (DeepSpeed's keys there: {', '.join(known)})" if known else "")) from None
-            raise ConfigError(f"{path}: DeepSpeed key {where}: {err['msg']} (got {err.get('input')!r})") from None
+    return [f.name for f in dataclasses.fields(VQLCMDConfig)]
 
 
 def resolve_path(p: Optional[str]) -> Optional[Path]:

@@ -1,5 +1,7 @@
-"""The DeepSpeed config a run hands to ``deepspeed.initialize``: batch sizes derived for the world size,
-precision resolved, and the keys the fast step sets.
+"""The DeepSpeed part of an experiment file: its keys checked (a near miss of a known key, or a section
+DeepSpeed would ignore or fail on late, is refused as the file is read), and the config a run hands to
+``deepspeed.initialize``: batch sizes derived for the world size, precision resolved, the keys the fast step
+sets.
 
 DeepSpeed's keys are the truth for batch sizes; this fills in what it would derive and refuses what it
 would get wrong silently (a ``train_batch_size`` that is no multiple of the ranks trained at a rounded-down
@@ -7,12 +9,13 @@ batch).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .config import ConfigError
+from .config import ConfigError, section_names
 from .precision import resolve_bf16
 
 
@@ -136,3 +139,151 @@ def build_ds_config(ds_config: dict, world: int, device: torch.device, *, fast: 
             "FP16_UnfusedOptimizer took one AdamW step on zero gradients as that run started (its "
             "later steps are sound); train new runs at stage 1 or 2")
     return RunDeepSpeedConfig(ds, micro, gas, bf16, why)
+
+
+def near_deepspeed_key(dotted: str) -> None:
+    """A ``--set`` key that is no vqlcmd section's but close to a DeepSpeed key (``gradient_clippin``): a
+    ConfigError saying which, as the config file's own check does (not 'unknown key vqlcmd....')."""
+    import difflib
+
+    first = dotted.split(".", 1)[0]
+    sections = section_names()
+    if first in sections or difflib.get_close_matches(first, sections, n=1, cutoff=0.8):
+        return  # a vqlcmd section or a near miss of one ("optimiser"): vqlcmd's own error names its keys
+    # not the two DeepSpeed sections the engine refuses (its own optimizer and schedule are vqlcmd's)
+    usable = [k for k in _DEEPSPEED_KEYS if k not in ("optimizer", "scheduler")]
+    near = difflib.get_close_matches(first, usable, n=1, cutoff=0.8)
+    if near:
+        raise ConfigError(f"--set {dotted}: {first!r} is not a key; did you mean the DeepSpeed key {near[0]!r}?")
+
+
+def is_deepspeed_key(dotted: str) -> bool:
+    """Whether a ``--set`` key names the DeepSpeed part (``train_batch_size``, ``zero_optimization.stage``,
+    ``bf16.enabled``): its first name is a DeepSpeed key and not a vqlcmd section's (``optimizer`` is both,
+    and stays the vqlcmd one: the engine builds its own optimizer)."""
+    first = dotted.split(".", 1)[0]
+    return first in _DEEPSPEED_KEYS and first not in section_names()
+
+
+# DeepSpeed keys a run of this engine may set. DeepSpeed ignores keys it does not read, so a misspelt one
+# ("gradient_clippin") trained without its setting and said nothing: a near miss of these is an error here.
+_DEEPSPEED_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "bf16", "fp16", "amp", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "activation_checkpointing",
+    "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "data_types", "torch_autocast", "compile", "checkpoint",
+    "aio", "timers", "dataloader_drop_last", "data_efficiency", "curriculum_learning", "autotuning", "elasticity",
+    "compression_training", "pipeline", "eigenvalue", "progressive_layer_drop", "nebula", "hybrid_engine",
+    "weight_quantization", "graph_harvesting", "use_data_before_expert_parallelism", "mics_shard_size",
+)
+
+
+def check_deepspeed_section(ds: dict, path, *, warn: bool = True) -> None:
+    """Refuses what DeepSpeed would ignore silently or fail on late; ``warn``: also warn of unknown keys (the
+    trainer checks again what ``load_config`` checked, for configs built in code, without warning twice)."""
+    import difflib
+
+    for key in ds:
+        if key in _DEEPSPEED_KEYS:
+            continue
+        near = difflib.get_close_matches(key, _DEEPSPEED_KEYS, n=1, cutoff=0.8)
+        if near:
+            raise ConfigError(f"{path}: unknown DeepSpeed key {key!r}; did you mean {near[0]!r}? (DeepSpeed would "
+                              "ignore it without a word)")
+        if warn:
+            warnings.warn(f"{path}: {key!r} is not a DeepSpeed key this engine knows; DeepSpeed ignores keys it "
+                          "does not read", stacklevel=2)
+    for key in ("optimizer", "scheduler"):
+        if key in ds:  # deepspeed.initialize takes the client optimizer and schedule over these, silently
+            raise ConfigError(f"{path}: a DeepSpeed {key!r} section is not used: the engine builds AdamW and its "
+                              "warm-up + cosine schedule from vqlcmd.optimizer; set the rates there")
+    clip = ds.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+        raise ConfigError(f"{path}: gradient_clipping must be a number >= 0 (0: off), got {clip!r}")
+    for section in ("zero_optimization", "bf16", "fp16"):  # (--set bf16=true reached .get on a bool)
+        if section in ds and not isinstance(ds[section], dict):
+            raise ConfigError(f"{path}: {section} must be a JSON object (e.g. {{\"enabled\": true}} or "
+                              f"{{\"stage\": 2}}), got {ds[section]!r}")
+    zero = ds.get("zero_optimization", {})
+    offload = [k for k in ("offload_optimizer", "offload_param")
+               if isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"]
+    if offload:
+        raise ConfigError(f"{path}: zero_optimization.{offload[0]} is not supported: ZeRO-Offload wants DeepSpeed's "
+                          "CPU Adam, and the engine's optimizer is torch's AdamW (or apex's FusedAdam)")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise ConfigError(f"{path}: zero_optimization.stage must be the integer 0, 1 or 2, got {stage!r}")
+    if stage not in (0, 1, 2):
+        raise ConfigError(
+            f"{path}: zero_optimization.stage={stage} is not supported: the EMA teacher runs a full forward "
+            "every step and needs the whole parameter set on each rank; ZeRO-3 partitions parameters, so "
+            "use stage 0, 1 or 2 (which partition optimizer state and gradients only)"
+        )
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = ds.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
+    if ds.get("fp16", {}).get("enabled"):
+        raise ConfigError(f"{path}: fp16 training is not supported; use bf16 (or fp32)")
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    if not (isinstance(bf16, bool) or bf16 == "auto"):  # resolved by vqlcmd.engine.precision
+        raise ConfigError(f'{path}: bf16.enabled must be true, false or "auto", got {bf16!r}')
+    _check_with_deepspeed_models(ds, path)
+
+
+# The DeepSpeed sections that DeepSpeed parses with its own pydantic models (module, class): validated up front,
+# so that a misspelt key (zero_optimization.stagee) is one line naming it, not a pydantic traceback from
+# deepspeed.initialize after the data was prepared.
+_DEEPSPEED_MODELS = {
+    "zero_optimization": ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
+    "bf16": ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
+    "fp16": ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
+    "compile": ("deepspeed.compile.config", "CompileConfig"),
+    "comms_logger": ("deepspeed.comm.config", "CommsLoggerConfig"),
+    "tensorboard": ("deepspeed.monitor.config", "TensorBoardConfig"),
+    "wandb": ("deepspeed.monitor.config", "WandbConfig"),
+    "csv_monitor": ("deepspeed.monitor.config", "CSVConfig"),
+    "comet": ("deepspeed.monitor.config", "CometConfig"),
+    "hybrid_engine": ("deepspeed.runtime.config", "HybridEngineConfig"),
+}
+
+
+def _model_keys(model) -> list:
+    """A pydantic model's keys, under their names and aliases (``stage3_prefetch_bucket_size``)."""
+    return sorted({k for name, f in model.model_fields.items() for k in (name, f.alias) if k})
+
+
+def _check_with_deepspeed_models(ds: dict, path) -> None:
+    import difflib
+    import importlib
+
+    for key, (module, name) in _DEEPSPEED_MODELS.items():
+        section = ds.get(key)
+        if not isinstance(section, dict):
+            continue  # (absent, or a type refused above)
+        try:
+            model = getattr(importlib.import_module(module), name)
+            import pydantic
+        except (ImportError, AttributeError):  # another DeepSpeed version: deepspeed.initialize checks it
+            continue
+        if key == "bf16" and section.get("enabled") == "auto":
+            section = {**section, "enabled": True}  # resolved by vqlcmd.engine.precision before DeepSpeed sees it
+        try:
+            model(**section)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in (key, *err["loc"]))
+            if err["type"] == "extra_forbidden":
+                inner = model
+                for part in err["loc"][:-1]:  # a nested section's model (offload_optimizer.devicee)
+                    hint = inner.model_fields.get(part) if hasattr(inner, "model_fields") else None
+                    inner = getattr(hint, "annotation", None)
+                    inner = next((a for a in getattr(inner, "__args__", ()) if hasattr(a, "model_fields")), inner)
+                known = _model_keys(inner) if hasattr(inner, "model_fields") else []
+                near = difflib.get_close_matches(str(err["loc"][-1]), known, n=1, cutoff=0.6)
+                raise ConfigError(f"{path}: unknown DeepSpeed key {where}"
+                                  + (f"; did you mean {near[0]!r}?" if near else
+                                     f" (DeepSpeed's keys there: {', '.join(known)})" if known else "")) from None
+            raise ConfigError(f"{path}: DeepSpeed key {where}: {err['msg']} (got {err.get('input')!r})") from None

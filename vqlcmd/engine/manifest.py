@@ -110,8 +110,9 @@ def _fsync(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def write_manifest(folder: Path, *, durable: bool = False) -> dict:
-    """Hash every file under ``folder`` and write ``folder/manifest.json`` atomically; returns the manifest.
+def write_manifest(folder: Path, *, durable: bool = False, exclude: tuple = ()) -> dict:
+    """Hash every file under ``folder`` (but the relative names in ``exclude``) and write
+    ``folder/manifest.json`` atomically; returns the manifest.
 
     ``durable``: also flush every file (and the folder's entries) to the disk first, so that the manifest never
     describes data that a power cut could still take back. ``commit`` relies on this before it deletes older
@@ -120,7 +121,7 @@ def write_manifest(folder: Path, *, durable: bool = False) -> dict:
     if not folder.is_dir():
         raise ManifestError(folder, "no such folder to write a manifest for")
     buf, files = bytearray(_CHUNK), {}
-    for name in _listed_files(folder):
+    for name in [n for n in _listed_files(folder) if n not in exclude]:
         size, digest = file_digest(folder / name, buf)
         files[name] = {"size": size, ALGORITHM: digest}
         if durable:

@@ -10,10 +10,10 @@ from typing import Optional
 from ..methods import apply_method
 from .build import attention_words, build_data, build_engine, build_model_and_emas, run_length_warnings
 from .checkpoint import CheckpointError, CheckpointManager, tag_for
-from .config import ConfigError, VQLCMDConfig, check_deepspeed_section, repo_path
+from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import check_data_paths
 from .distributed import data_identity, init_distributed
-from .ds_config import build_ds_config, zero_stage
+from .ds_config import build_ds_config, check_deepspeed_section, zero_stage
 from .host_memory import keep_freed_memory
 from .metrics_log import truncate_metrics
 from .outputs import MetricsLog, build_pipeline, sample_grid, untouched_rng
@@ -42,7 +42,6 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.out_dir, rank=self.rank, world=self.world,
                                              keep=t.keep_checkpoints, resume=t.resume, log=self.log)
         self.ckpt_dir = self.checkpoints.ckpt_dir
-        self.checkpoints.claim()  # one run per folder; the newest checkpoint that verifies
 
         self.data = build_data(cfg, self.rank, self.local_rank, self.device, self.log, progress)
         self.dataset, self.header, self.tokenizer_dir = self.data.source.dataset, self.data.header, self.data.tokenizer_dir
@@ -50,6 +49,7 @@ class Trainer:
                                  resumes_zero0_bf16=self.checkpoints.resumes_zero0_bf16(),
                                  resumed_batch=self.checkpoints.resumed_batch())
         ds, self.micro, self.gas, self.bf16 = run_ds.ds, run_ds.micro, run_ds.gas, run_ds.bf16
+        self.checkpoints.claim()  # one run per folder (a refused config above leaves no folder); verified resume
         self.checkpoints.check_output_dir(ds, cfg, self.bf16, data_identity(self.header))  # before anything is built
 
         model = build_model_and_emas(cfg, self.data, self.device, self.bf16, self.log)

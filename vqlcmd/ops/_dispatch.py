@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-BACKENDS = ("reference", "compiled", "triton")
+from ..engine.config import BACKENDS  # the names a config's train.backend takes
 
 
 @dataclass
