@@ -9,6 +9,16 @@ from vqlcmd.data.shards import write_shard
 @pytest.fixture
 def tiny_shards(tmp_path):
     """Token shards fitting the 'tiny' preset (K=16, 4x4 tokens, 4 classes), with class structure."""
+    return _tiny_shards(tmp_path / "shards")
+
+
+@pytest.fixture(scope="module")
+def tiny_shards_module(tmp_path_factory):
+    """``tiny_shards`` once per module: for a reference run that several tests compare with."""
+    return _tiny_shards(tmp_path_factory.mktemp("shards") / "shards")
+
+
+def _tiny_shards(folder):
     rng = np.random.default_rng(0)
     patterns = rng.integers(0, 16, (4, 16))
     labels = rng.integers(0, 4, 96)
@@ -17,7 +27,6 @@ def tiny_shards(tmp_path):
     tokens = np.where(noise, rng.integers(0, 16, tokens.shape), tokens)
     header = {"codebook_size": 16, "grid": [4, 4], "tokenizer_id": "synthetic-test", "num_classes": 4,
               "class_names": ["a", "b", "c", "d"]}
-    folder = tmp_path / "shards"
     write_shard(folder / "shard_00000.vqtok", tokens[:64], labels[:64], header)
     write_shard(folder / "shard_00001.vqtok", tokens[64:], labels[64:], header)
     return folder

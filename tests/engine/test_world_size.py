@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vqlcmd.engine.config import ConfigError, load_config
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config
 from vqlcmd.engine.ds_config import derive_batch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,6 +19,7 @@ if os.environ.get("VQLCMD_THREADS", "").strip().lower() != "torch":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import errno
 import json
 import signal
 
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     from vqlcmd.engine.distributed import LaunchError, RankSetupError
     from vqlcmd.engine.trainer import NonFiniteLossError, Trainer, TrainingInterrupted
 
+    trainer = None
     try:
         trainer = Trainer(ds_config, cfg, progress=not args.no_progress)
         if args.evaluate and trainer.tokenizer_dir is None:  # found before training, not after it
@@ -129,6 +131,14 @@ def main(argv=None) -> int:
     except FileNotFoundError as exc:  # an empty shard folder, a tokenizer folder without its files
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # a full disk mid-save: the folder and what survived, in a line (the save never published the folder)
+        kept = trainer.checkpoints.last_checkpoint_words() if trainer is not None else "nothing was saved"
+        print(f"error: {exc.strerror} writing {exc.filename or 'a file'}; {kept}; free space and launch the same "
+              "command again to resume", file=sys.stderr)
+        return 1
     except NonFiniteLossError as exc:  # named by step and term: the traceback adds nothing
         print(f"error: {exc}", file=sys.stderr)
         return 1
