@@ -176,16 +176,20 @@ def test_a_damaged_file_sets_its_checkpoint_aside_and_the_run_resumes_the_previo
     assert _losses(out, {3, 4}) == want
 
 
-@pytest.mark.xfail(strict=True, reason="CheckpointManager.resumed_batch reads the newest checkpoint before rank 0 "
-                                       "verifies it (claim)")
 def test_the_batch_a_resume_keeps_comes_from_a_checkpoint_that_verifies(run):
-    """With step_0000004's rank_00000_state.pt deleted, the newest checkpoint reads as written by 1 rank: the
-    2-rank resume then takes global batch 8 (ds_config.derive_batch) and is refused against the checkpoint that
-    verifies, step_0000002's 16 (exit 2), instead of falling back to it. Checked in this process: no launch."""
+    """With step_0000004's rank_00000_state.pt deleted, the newest checkpoint read as written by 1 rank: the
+    2-rank resume took global batch 8 (ds_config.derive_batch) and was refused against the checkpoint that
+    verifies, step_0000002's 16 (exit 2), instead of falling back to it. The trainer now verifies (claim)
+    before it reads the batch. Checked in this process: no launch."""
     out, _ = run
     (out / "checkpoints" / STEP_4 / "rank_00000_state.pt").unlink()
     manager = CheckpointManager(out, rank=0, world=2, keep=0, resume=True, log=lambda _: None)
-    assert manager.resumed_batch() == (4, 2, 2)  # micro-batch, accumulation, ranks of the one a resume takes
+    manager.claim()
+    try:
+        assert manager.resumed_batch() == (4, 2, 2)  # micro-batch, accumulation, ranks of the one a resume takes
+        assert (out / "checkpoints" / (STEP_4 + ".corrupt")).is_dir()
+    finally:
+        manager.release()
 
 
 def _wait_for(marker: Path, proc, timeout=300) -> int:

@@ -45,11 +45,11 @@ class Trainer:
 
         self.data = build_data(cfg, self.rank, self.local_rank, self.device, self.log, progress)
         self.dataset, self.header, self.tokenizer_dir = self.data.source.dataset, self.data.header, self.data.tokenizer_dir
+        self.checkpoints.claim()  # one run per folder (refused data above leaves no folder); the verified resume
         run_ds = build_ds_config(ds_config, self.world, self.device, fast=t.fast, log=self.log,
                                  resumes_zero0_bf16=self.checkpoints.resumes_zero0_bf16(),
                                  resumed_batch=self.checkpoints.resumed_batch())
         ds, self.micro, self.gas, self.bf16 = run_ds.ds, run_ds.micro, run_ds.gas, run_ds.bf16
-        self.checkpoints.claim()  # one run per folder (a refused config above leaves no folder); verified resume
         self.checkpoints.check_output_dir(ds, cfg, self.bf16, data_identity(self.header))  # before anything is built
 
         model = build_model_and_emas(cfg, self.data, self.device, self.bf16, self.log)
