@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vqlcmd.engine.distributed import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -105,7 +107,7 @@ def test_labels_option(sample_script):
 def test_torchrun_two_ranks_match_one(sample_script, pipe_dir, tmp_path):
     sample_script.main(_args(pipe_dir, tmp_path / "one"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "scripts" / "sample.py"), *_args(pipe_dir, tmp_path / "two")]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=600)
     assert _read(tmp_path / "two") == _read(tmp_path / "one")
