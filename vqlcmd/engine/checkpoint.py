@@ -90,26 +90,24 @@ class CheckpointManager:
         return f"the last checkpoint, {self.ckpt_dir / tag}, is intact" if tag else "no checkpoint was written yet"
 
     # ---- before anything is built: is there a run to resume, and may this config resume it? -----------------
+    def _resumed_config(self) -> tuple[Optional[str], Optional[dict]]:
+        """(tag, its config.json) of the checkpoint this run resumes; None for an unreadable config (the resume
+        check names the damage) or when there is none."""
+        tag = self.latest() if self.resume else None
+        try:
+            return tag, json.loads((self.ckpt_dir / tag / "config.json").read_text()) if tag else None
+        except (OSError, ValueError):
+            return tag, None
+
     def resumes_zero0_bf16(self) -> bool:
         """Whether this run resumes a checkpoint trained at ZeRO 0 in bf16 (see ds_config.build_ds_config)."""
-        tag = self.latest() if self.resume else None
-        saved = self.ckpt_dir / tag / "config.json" if tag else None
-        if saved is None or not saved.is_file():
-            return False
-        try:
-            was = json.loads(saved.read_text())
-        except (OSError, ValueError):
-            return False  # the resume check names the damage
-        return zero_stage(was) == 0 and bool((was.get("bf16") or {}).get("enabled", False))
+        _, was = self._resumed_config()
+        return was is not None and zero_stage(was) == 0 and bool((was.get("bf16") or {}).get("enabled", False))
 
     def resumed_batch(self) -> Optional[tuple]:
         """(micro-batch, accumulation, ranks) of the checkpoint this run resumes, or None (``ds_config`` keeps
         the global batch on another number of ranks with it)."""
-        tag = self.latest() if self.resume else None
-        try:
-            was = json.loads((self.ckpt_dir / tag / "config.json").read_text()) if tag else None
-        except (OSError, ValueError):
-            return None  # the resume check names the damage
+        tag, was = self._resumed_config()
         ranks = len(list((self.ckpt_dir / tag).glob("rank_*_state.pt"))) if was else 0
         if not ranks or "train_micro_batch_size_per_gpu" not in was:
             return None
