@@ -92,7 +92,7 @@ class LossModule(nn.Module):
         super().__init__()
         self.net = net
         object.__setattr__(self, "teacher", teacher)
-        self.schedule, self.cfg, self.loss_cfg, self.backend = schedule, cfg, cfg.loss, cfg.train.backend
+        self.schedule, self.cfg, self.backend = schedule, cfg, cfg.train.backend
         self.losses = get_method(cfg.method).losses
 
     def forward(self, tokens, labels, generator=None):
