@@ -88,6 +88,7 @@ class Trainer:
 
     step_lr = property(lambda self: self.stepper.step_lr)  # (the rate of the last step)
     own_grad_norm = property(lambda self: self.stepper.own_grad_norm)  # (ZeRO 0's)
+
     def _write_run_config(self) -> None:
         if self.rank == 0:
             (self.out_dir / "config.json").write_text(json.dumps(self.resolved_config, indent=2))
