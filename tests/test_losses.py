@@ -507,3 +507,32 @@ def test_collapse_indicator_known_value():
     assert collapse_indicator(e) == pytest.approx(expected, rel=1e-6)
     with pytest.raises(ValueError, match="two rows"):
         collapse_indicator(torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])  # auto: the C++ noise kernel and its Philox key
+@pytest.mark.parametrize("strategy", ["fixed", "linear", "random_ratio"])
+def test_drawn_loss_is_the_loss_with_its_draws_taken_first(backend, strategy):
+    """draw_loss_randoms takes every number the loss would draw, in its order (the generator ends in the same
+    state), and training_losses_drawn with them draws nothing and gives the same terms and gradients."""
+    from vqlcmd.diffusion import draw_loss_randoms, training_losses_drawn
+
+    net, teacher, x, y = _setup()
+    cfg = LossConfig(p_drop=0.3, label_drop=0.5, drop_strategy=strategy, l0_fraction=0.5)
+    sched = ShiftedCosineSchedule(-1.0)
+    g = torch.Generator().manual_seed(11)
+    want = training_losses(net, teacher, sched, x, y, cfg, generator=g, backend=backend)
+    after_loss = torch.rand(4, generator=g)
+    want_grads = torch.autograd.grad(want["loss"], list(net.parameters()))
+    g.manual_seed(11)
+    draws = draw_loss_randoms(net, x, y, cfg, generator=g, backend=backend)
+    assert torch.equal(torch.rand(4, generator=g), after_loss)
+    g.manual_seed(1234)  # nothing more is drawn from it, nor from torch's global generator
+    cpu_state = torch.get_rng_state()
+    got = training_losses_drawn(net, teacher, sched, x, y, cfg, draws, backend=backend)
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=torch.Generator().manual_seed(1234)))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    for a, b in zip(want_grads, torch.autograd.grad(got["loss"], list(net.parameters()))):
+        assert torch.equal(a, b)

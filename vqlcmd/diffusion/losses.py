@@ -63,6 +63,32 @@ def _teacher_autocast(student_dtype: torch.dtype, teacher: VQLCMDNetwork, device
     return contextlib.nullcontext()
 
 
+def draw_loss_randoms(net: VQLCMDNetwork, tokens: torch.Tensor, labels: Optional[torch.Tensor], cfg: LossConfig, *,
+                      generator: Optional[torch.Generator] = None, backend: str = "auto") -> dict:
+    """Every random number one loss evaluation takes from ``generator``, drawn now, in the order
+    :func:`training_losses` draws them: the uniforms of t, s, the dropping mask and the label dropping, then
+    the noise of z_t and of z_0 (as :func:`vqlcmd.ops.noise_draw` gives them for the backend). With these,
+    :func:`training_losses_drawn` draws nothing, so it can run as one compiled graph (Dynamo cannot trace a
+    generator) with the default step's streams."""
+    B, M = tokens.shape
+    device = tokens.device
+    draws = {"t": _rand((B,), device, generator), "s": _rand((B,), device, generator)}  # s = t · U(0, 1)
+    if not (cfg.drop_strategy == "none" or (cfg.drop_strategy == "fixed" and cfg.p_drop == 0.0)):
+        if cfg.drop_strategy == "random_ratio":
+            draws["drop_ratio"] = _rand((B,), device, generator)
+        draws["drop"] = _rand((B, M), device, generator)
+    if labels is not None and cfg.label_drop != 0.0:
+        draws["label_drop"] = _rand(labels.shape, labels.device, generator)
+    weight = net.embedding.weight  # what the table's dtype and device resolve the noise backend by
+    draws["noise_t"] = ops.noise_draw(tokens, weight, generator=generator, backend=backend)
+    draws["noise_0"] = ops.noise_draw(tokens[:_l0_rows(cfg, B)], weight, generator=generator, backend=backend)
+    return draws
+
+
+def _l0_rows(cfg: LossConfig, B: int) -> int:
+    return max(1, math.ceil(cfg.l0_fraction * B))
+
+
 def training_losses(
     net: VQLCMDNetwork,
     teacher: VQLCMDNetwork,
@@ -80,6 +106,14 @@ def training_losses(
     ``l_cm``, each summed over tokens (L_DM also over D) and averaged over the batch.
     ``teacher`` is the EMA copy (θ̄, Ē); it only runs under no_grad.
     """
+    draws = draw_loss_randoms(net, tokens, labels, cfg, generator=generator, backend=backend)
+    return training_losses_drawn(net, teacher, schedule, tokens, labels, cfg, draws, backend=backend)
+
+
+def training_losses_drawn(net: VQLCMDNetwork, teacher: VQLCMDNetwork, schedule: ShiftedCosineSchedule,
+                          tokens: torch.Tensor, labels: Optional[torch.Tensor], cfg: LossConfig, draws: dict, *,
+                          backend: str = "auto") -> dict[str, torch.Tensor]:
+    """:func:`training_losses` given its random numbers (:func:`draw_loss_randoms`): no draws, no host reads."""
     B, M = tokens.shape
     device = tokens.device
     K = net.embedding.codebook_size
@@ -87,25 +121,33 @@ def training_losses(
     tokens = tokens.long()
 
     # 1. times, dropping, label dropping
-    t = _rand((B,), device, generator)
-    s = t * _rand((B,), device, generator)  # s ~ U(0, t)
+    t = draws["t"]
+    s = t * draws["s"]  # s ~ U(0, t)
     alpha_t, sigma_t = schedule.alpha_sigma(t)
     alpha_s, sigma_s = schedule.alpha_sigma(s)
-    drop_mask = sample_drop_mask(cfg, t, M, generator)
-    y = drop_labels(labels, net.denoiser.null_class, cfg.label_drop, generator)
+    drop_mask = None
+    if "drop" in draws:
+        if cfg.drop_strategy == "fixed":
+            ratio = torch.full((B,), cfg.p_drop, device=device)
+        else:  # "linear": the ratio is t; "random_ratio": a draw of its own
+            ratio = draws.get("drop_ratio", t)
+        drop_mask = draws["drop"] < ratio[:, None]
+    y = labels
+    if "label_drop" in draws:
+        y = torch.where(draws["label_drop"] < cfg.label_drop, torch.full_like(labels, net.denoiser.null_class), labels)
 
     # 2. student input z_t = α_t E[x'] + σ_t ε
-    z_t = ops.noise_embeddings(tokens, table, alpha_t, sigma_t, drop_mask=drop_mask, mask_index=K,
-                               generator=generator, backend=backend)  # (B, M, D)
+    z_t = ops.noise_embeddings(tokens, table, alpha_t, sigma_t, drop_mask=drop_mask, mask_index=K, backend=backend,
+                               **draws["noise_t"])  # (B, M, D)
     # L0 input: z_0 ~ q(z_0 | x) at t_min for the first B0 images, batched with z_t into one
     # student forward
-    B0 = max(1, math.ceil(cfg.l0_fraction * B))
+    B0 = _l0_rows(cfg, B)
     tokens_0 = tokens[:B0]
     t0 = torch.zeros_like(t[:B0])
     alpha_0, sigma_0 = schedule.alpha_sigma(t0)
     z_0 = ops.noise_embeddings(tokens_0, table, alpha_0, sigma_0,
                                drop_mask=drop_mask[:B0] if cfg.drop_in_l0 and drop_mask is not None else None,
-                               mask_index=K, generator=generator, backend=backend)
+                               mask_index=K, backend=backend, **draws["noise_0"])
     y2 = None if y is None else torch.cat([y, y[:B0]])
     logits = net.denoiser(torch.cat([z_t, z_0]), torch.cat([t, t0]), y2).float()  # (B + B0, M, K)
     logits_t, logits_0 = logits[:B], logits[B:]

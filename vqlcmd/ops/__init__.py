@@ -23,13 +23,14 @@ __all__ = [
     "guided_embedding_average",
     "categorical_kl",
     "noise_embeddings",
+    "noise_draw",
     "ddim_teacher_step",
     "gelu_tanh",
     "ada_layer_norm",
     "short_attention",
 ]
 
-OPS = ("softmax_embedding_average", "guided_embedding_average", "categorical_kl", "noise_embeddings",
+OPS = ("softmax_embedding_average", "guided_embedding_average", "categorical_kl", "noise_embeddings", "noise_draw",
        "ddim_teacher_step", "gelu_tanh", "ada_layer_norm",
        "short_attention")
 for _op in OPS:
@@ -107,6 +108,7 @@ def noise_embeddings(
     drop_mask: Optional[torch.Tensor] = None,
     mask_index: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
+    noise_key: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Forward process with random dropping: tokens (B, M), table (V, D) -> z (B, M, D).
@@ -114,11 +116,23 @@ def noise_embeddings(
     ``z[b,i] = alpha[b] * table[mask_index if drop_mask[b,i] else tokens[b,i]] + sigma[b] * noise[b,i]``.
     When ``noise`` is None it is drawn from ``generator`` (backends draw with
     their own generator algorithm, so the numbers differ between backends).
-    Differentiable in ``table``; the result has ``table``'s dtype.
+    Differentiable in ``table``; the result has ``table``'s dtype. ``noise_key`` (the compiled backend's):
+    the Philox key it would draw from ``generator``, drawn before (:func:`noise_draw`).
     """
     _checks.check_noise_inputs(tokens, table, alpha, sigma, noise, drop_mask, mask_index)
     fn = _resolve_for_ids("noise_embeddings", backend, tokens, table, table, drop_mask)
-    return fn(tokens, table, alpha, sigma, noise=noise, drop_mask=drop_mask, mask_index=mask_index, generator=generator)
+    return fn(tokens, table, alpha, sigma, noise=noise, drop_mask=drop_mask, mask_index=mask_index, generator=generator,
+              noise_key=noise_key)
+
+
+def noise_draw(tokens: torch.Tensor, table: torch.Tensor, *, generator: Optional[torch.Generator] = None,
+               backend: str = "auto") -> dict:
+    """The random numbers :func:`noise_embeddings` with these inputs would draw from ``generator``, drawn now,
+    as the keyword arguments (``noise=`` or ``noise_key=``) that make the same call draw nothing and give the
+    same result. So a caller can take every draw of a step before a compiled region (Dynamo cannot trace a
+    generator) and keep the generator's stream: the same numbers in the same order."""
+    # registered beside noise_embeddings with the same rules: these inputs resolve to the same backend
+    return resolve("noise_draw", backend, table, tokens)(tokens, table, generator=generator)
 
 
 def ddim_teacher_step(

@@ -131,11 +131,17 @@ def _philox_seed(generator: Optional[torch.Generator], device: torch.device) -> 
     return torch.randint(-2**63, 2**63 - 1, (1,), generator=generator, dtype=torch.int64, device=device)
 
 
-def noise_embeddings(tokens, table, alpha, sigma, *, noise=None, drop_mask=None, mask_index=None, generator=None):
-    seed_tensor = None
-    if noise is None:
+def noise_draw(tokens, table, *, generator=None) -> dict:
+    """What ``noise_embeddings`` draws from ``generator``: the Philox key, as ``noise_key``."""
+    return {"noise_key": _philox_seed(generator, table.device)}
+
+
+def noise_embeddings(tokens, table, alpha, sigma, *, noise=None, drop_mask=None, mask_index=None, generator=None,
+                     noise_key=None):
+    seed_tensor = noise_key
+    if noise is None and seed_tensor is None:
         seed_tensor = _philox_seed(generator, table.device)
-    elif noise.dtype not in KERNEL_DTYPES:
+    elif noise is not None and noise.dtype not in KERNEL_DTYPES:
         noise = noise.float()
     return torch.ops.vqlcmd.noise_embeddings(tokens, table, alpha, sigma, noise, drop_mask,
                                              -1 if mask_index is None else int(mask_index), 0, 0, seed_tensor)
@@ -399,8 +405,8 @@ if _C is not None:
     _register_library()
 
 # the token-id kernels raise IndexError on an id outside the table as they read it (TORCH_CHECK_INDEX)
-for _op, _fn, _ids in (("noise_embeddings", noise_embeddings, True), ("ddim_teacher_step", ddim_teacher_step, True),
-                       ("categorical_kl", categorical_kl, False)):
+for _op, _fn, _ids in (("noise_embeddings", noise_embeddings, True), ("noise_draw", noise_draw, False),
+                       ("ddim_teacher_step", ddim_teacher_step, True), ("categorical_kl", categorical_kl, False)):
     register(_op, "compiled", _fn, unavailable=unavailable, unsupported=unsupported, priority=_priority,
              checks_ids=_ids)
 register("gelu_tanh", "compiled", gelu_tanh, unavailable=unavailable, unsupported=_gelu_unsupported,

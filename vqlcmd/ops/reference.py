@@ -107,7 +107,11 @@ def noise_embeddings(
     drop_mask: Optional[torch.Tensor] = None,
     mask_index: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
+    noise_key: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
+    if noise_key is not None:
+        raise ValueError("noise_key is the compiled backend's Philox key: the reference backend takes noise= "
+                         "(ops.noise_draw gives each backend's own)")
     dt = math_dtype(table, alpha, sigma)
     ids = tokens.long()
     if drop_mask is not None:
@@ -119,6 +123,12 @@ def noise_embeddings(
         noise = torch.randn(e.shape, generator=generator, device=e.device, dtype=torch.float32)
     z = _per_batch(alpha, dt) * e + _per_batch(sigma, dt) * noise.to(dt)
     return z.to(table.dtype)
+
+
+def noise_draw(tokens: torch.Tensor, table: torch.Tensor, *, generator: Optional[torch.Generator] = None) -> dict:
+    """What ``noise_embeddings`` draws from ``generator``: ε itself, as ``noise``."""
+    return {"noise": torch.randn((*tokens.shape, table.shape[1]), generator=generator, device=table.device,
+                                 dtype=torch.float32)}
 
 
 @torch.no_grad()
