@@ -1,6 +1,7 @@
 """train.fast (vqlcmd/engine/step.py, deferred flushes): the default step's losses and updates, with no host reads inside a step."""
 import contextlib
 import math
+import traceback
 
 import pytest
 import torch
@@ -41,18 +42,25 @@ def _compare(tmp_path, shards, make_config, steps, rtol, atol, bf16=False, model
     return tr
 
 
+@pytest.mark.parametrize("step", ["flat", "deepspeed"])
 @pytest.mark.parametrize("ds_edit", [None, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}],
                          ids=["one micro-step", "accumulation"])
-def test_the_fast_step_trains_as_the_default_step(tmp_path, tiny_shards, make_config, ds_edit):
-    """fp32: the same draws, losses (averaged over micro-steps) and updates, to rounding."""
-    tr = _compare(tmp_path, tiny_shards, make_config, 3, rtol=1e-5, atol=1e-6, ds_edit=ds_edit)
+def test_the_fast_step_trains_as_the_default_step(tmp_path, tiny_shards, make_config, ds_edit, step):
+    """fp32: the same draws, losses (averaged over micro-steps) and updates, to rounding, through DeepSpeed's
+    engine step or the flat step (whose gradient norm is DeepSpeed's op for op: the k-part of the qkv bias has
+    a gradient of pure rounding noise, which AdamW scales up to a fraction of the rate, so any other rounding
+    of the clipping factor moves those weights by ~1e-4)."""
+    tr = _compare(tmp_path, tiny_shards, make_config, 3, rtol=1e-5, atol=1e-6, ds_edit=ds_edit, step=step)
     assert tr.teacher.compute is tr.teacher.module  # fp32: no copy
+    assert (tr.stepper.flat is not None) == (step == "flat")
 
 
-def test_the_fast_step_in_bf16_runs_the_teacher_on_a_bf16_copy_of_its_fp32_ema(tmp_path, tiny_shards, make_config):
+@pytest.mark.parametrize("step", ["flat", "deepspeed"])
+def test_the_fast_step_in_bf16_runs_the_teacher_on_a_bf16_copy_of_its_fp32_ema(tmp_path, tiny_shards, make_config,
+                                                                                step):
     """bf16: the teacher forward runs on bf16 weights rounded from the fp32 EMA instead of under autocast; the
     losses agree to bf16 rounding, and the copy follows the master at every update."""
-    tr = _compare(tmp_path, tiny_shards, make_config, 3, rtol=0.05, atol=2e-2, bf16=True)
+    tr = _compare(tmp_path, tiny_shards, make_config, 3, rtol=0.05, atol=2e-2, bf16=True, step=step)
     assert next(tr.teacher.compute.parameters()).dtype == torch.bfloat16
     assert next(tr.teacher.module.parameters()).dtype == torch.float32
     for c, m in zip(tr.teacher.compute.parameters(), tr.teacher.module.parameters()):
@@ -67,7 +75,7 @@ def _no_reads(monkeypatch, allowed: list):
 
     def guard(name):
         def read(self, *args, **kwargs):
-            if not allowed:
+            if not allowed and not _adam_counter(self):
                 caught.append(name)
                 raise AssertionError(f"Tensor.{name} inside a step")
             return originals[name](self, *args, **kwargs)
@@ -77,6 +85,13 @@ def _no_reads(monkeypatch, allowed: list):
         for name in READS:
             m.setattr(torch.Tensor, name, guard(name))
         yield caught
+
+
+def _adam_counter(t: torch.Tensor) -> bool:
+    """A read of torch AdamW's step counter on a CPU (a CPU tensor, so no device sync; fused on a GPU, AdamW
+    keeps it on the device and reads nothing): the flat step calls the optimizer outside DeepSpeed's step."""
+    return t.device.type == "cpu" and t.ndim == 0 and any(
+        "/torch/optim/" in frame.filename for frame in traceback.extract_stack(limit=8))
 
 
 def _allowing(fn, allowed):
@@ -183,7 +198,9 @@ def test_bf16_non_finite_gradients_stop_the_fast_step_at_the_flush_or_are_skippe
         calls.append(1)
         return grad * float("inf") if len(calls) == 2 else grad
 
-    tr.net.denoiser.head.weight.register_hook(poison)
+    # on the head's output gradient: the flat step's parameters are views of its flat weights inside the loss,
+    # so a hook on a parameter tensor would not see its gradient (a module's hooks still run)
+    tr.net.denoiser.head.register_forward_hook(lambda module, args, out: out.register_hook(poison) and None)
     if check is None:
         with pytest.raises(NonFiniteLossError, match=r"non-finite gradients at a step in 1\.\.4 .*bf16\.check_grad"
                                                      r"_overflow.*no checkpoint was written"):
@@ -196,11 +213,14 @@ def test_bf16_non_finite_gradients_stop_the_fast_step_at_the_flush_or_are_skippe
             assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
-def test_deepspeed_reads_once_per_bf16_fast_step(tmp_path, tiny_shards, make_config, monkeypatch):
+@pytest.mark.parametrize("step, want", [("deepspeed", ["__bool__"]), ("flat", [])])
+def test_a_bf16_fast_step_reads_once_through_deepspeed_and_never_through_the_flat_step(
+        tmp_path, tiny_shards, make_config, monkeypatch, step, want):
     """DeepSpeed's ZeRO 2 bf16 step reads the device once (clipping's norm) under the fast step's settings,
-    where its overflow check and throughput timer read or synchronised four more times. (On a CPU torch's
-    AdamW also reads its step counters, CPU tensors; fused on a GPU it does not: not counted.)"""
-    tr = _trainer(tmp_path, tiny_shards, make_config, bf16=True, fast=True)
+    where its overflow check and throughput timer read or synchronised four more times; the flat step clips
+    on the device and reads nothing. (On a CPU torch's AdamW also reads its step counters, CPU tensors; fused
+    on a GPU it does not: not counted.)"""
+    tr = _trainer(tmp_path, tiny_shards, make_config, bf16=True, fast=True, step=step)
     batches = tr.loader.forever()
     tr.train_step(batches)
     from deepspeed.accelerator import get_accelerator
@@ -222,4 +242,4 @@ def test_deepspeed_reads_once_per_bf16_fast_step(tmp_path, tiny_shards, make_con
             m.setattr(torch.Tensor, name, guard(name))
         m.setattr(get_accelerator(), "synchronize", lambda *a, **k: reads.append("synchronize"))
         tr.train_step(batches)
-    assert reads == ["__bool__"]
+    assert reads == want

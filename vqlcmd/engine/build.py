@@ -17,6 +17,7 @@ from ..schedule import ShiftedCosineSchedule
 from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import open_data
 from .distributed import agree_on_setup, data_fingerprint, exchanged
+from .flat_step import FlatStep, flat_step_refusal
 from .host_memory import release_freed_memory
 from .optim import build_optimizer, build_scheduler
 
@@ -93,11 +94,20 @@ class LossModule(nn.Module):
         self.net = net
         object.__setattr__(self, "teacher", teacher)
         self.schedule, self.cfg, self.backend = schedule, cfg, cfg.train.backend
-        self.losses = get_method(cfg.method).losses
+        self.method = get_method(cfg.method)
 
-    def forward(self, tokens, labels, generator=None):
-        return self.losses(self.net, self.teacher.compute, self.schedule, tokens, labels, self.cfg,
-                           generator=generator, backend=self.backend)
+    def draw(self, tokens, labels, generator) -> Optional[dict]:
+        """The loss's random numbers drawn now (None: the method's loss draws them itself)."""
+        if self.method.draw is None:
+            return None
+        return self.method.draw(self.net, tokens, labels, self.cfg, generator=generator, backend=self.backend)
+
+    def forward(self, tokens, labels, generator=None, draws=None):
+        if draws is not None:
+            return self.method.losses_drawn(self.net, self.teacher.compute, self.schedule, tokens, labels, self.cfg,
+                                            draws, backend=self.backend)
+        return self.method.losses(self.net, self.teacher.compute, self.schedule, tokens, labels, self.cfg,
+                                  generator=generator, backend=self.backend)
 
 
 @dataclass
@@ -132,13 +142,10 @@ def build_model_and_emas(cfg: VQLCMDConfig, data: Data, device, bf16: bool, log)
         # the teacher forward on a bf16 copy of its fp32 EMA (the master), as the student's bf16 weights have
         # DeepSpeed's fp32 partitions: no per-call weight casts under autocast
         teacher.keep_compute_copy(torch.bfloat16)
-    if cfg.train.compile:
+    if cfg.train.compile and not cfg.train.fast:
         # in place: torch.compile(module) would wrap it, and its state-dict keys (_orig_mod.*) would no longer
-        # match a checkpoint written without compile, nor the other way round. The fast step compiles the
-        # whole loss: student forward (and, through AOTAutograd, its backward), the teacher forward and the
-        # fused ops in between; the generator's draws stay eager (graph breaks), so the random streams are
-        # the default step's
-        (module if cfg.train.fast else net.denoiser).compile()
+        # match a checkpoint written without compile, nor the other way round (the fast step's: build_step)
+        net.denoiser.compile()
     # checkpoints of compiled runs from before that change hold the wrapper's _orig_mod.* keys
     net.denoiser.register_load_state_dict_pre_hook(_strip_compile_prefix)
     return Model(net, teacher, sampling, schedule, module)
@@ -162,6 +169,32 @@ def build_engine(model: Model, cfg: VQLCMDConfig, ds: dict, device, log):
                                            config=ds)
     log(release_freed_memory())  # the weights' first copy, now in DeepSpeed's flat buffers
     return engine
+
+
+def build_flat_step(model: Model, engine, cfg: VQLCMDConfig, device, log) -> Optional[FlatStep]:
+    """The fast step's gradient-and-update path (``train.step``), and what it compiles (``train.compile``): the
+    flat step's loss of the flat weights, or DeepSpeed's step's whole loss module (in place). Both compile the
+    student forward (and, through AOTAutograd, its backward), the teacher forward and the fused ops between;
+    the flat step takes the method's draws before its graph, DeepSpeed's step draws inside (graph breaks):
+    the random streams are the default step's either way. None: DeepSpeed's engine steps; the log says why."""
+    t = cfg.train
+    if not t.fast:
+        return None
+    reason = "train.step is 'deepspeed'" if t.step == "deepspeed" else flat_step_refusal(engine)
+    if reason and t.step == "flat":
+        raise ConfigError(f"train.step 'flat' cannot drive this run: {reason}")
+    graphs = t.compile and t.cuda_graphs and device.type == "cuda"
+    if t.cuda_graphs and not graphs:
+        log("warning: train.cuda_graphs is on but " + ("train.compile is off" if not t.compile else
+                                                        f"the device is {device.type}") + ": no CUDA graphs")
+    if reason:
+        log(f"step: DeepSpeed's engine ({reason})")
+        if t.compile:
+            model.module.compile()
+        return None
+    log("step: flat (one gradient buffer, clipped and stepped on DeepSpeed's flat ZeRO buffers"
+        + (", CUDA graphs" if graphs else "") + ")")
+    return FlatStep(engine, compile_loss=t.compile, cuda_graphs=graphs)
 
 
 def attention_words(den_cfg, device, bf16: bool) -> str:

@@ -190,6 +190,9 @@ class OptimizerSection:
                         ("impl", lambda v: v in ("torch", "apex"), "'torch' or 'apex'")))
 
 
+STEP_IMPLS = ("auto", "flat", "deepspeed")
+
+
 @dataclass
 class TrainSection:
     steps: int = 1000
@@ -204,6 +207,13 @@ class TrainSection:
     # log steps, before every checkpoint), both EMAs in one multi-tensor update, the teacher forward on a bf16
     # copy of its fp32 EMA under bf16. Same draws and updates as the default step; see docs/fast_training.md
     fast: bool = False
+    # Who takes the fast step's gradients and update (vqlcmd.engine.flat_step): "flat" (one flat gradient,
+    # clipped and stepped on DeepSpeed's own flat buffers, without its per-gradient hooks), "deepspeed" (its
+    # engine's backward and step), or "auto": flat where it can drive the run (train.fast, ZeRO 1/2), the log
+    # says which and why
+    step: str = "auto"
+    # train.compile on CUDA: the compiled loss captured in CUDA graphs (torch.compile's "reduce-overhead")
+    cuda_graphs: bool = False
     backend: str = "auto"  # backend of the fused ops
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
 
@@ -215,7 +225,10 @@ class TrainSection:
                         ("sample_every", lambda v: v >= 0, "a non-negative integer (0: off)"),
                         ("checkpoint_every", lambda v: v >= 0, "a non-negative integer (0: off)"),
                         ("keep_checkpoints", lambda v: v >= 0, "a non-negative integer (0: keep all)"),
-                        ("backend", lambda v: v in OP_BACKENDS, f"one of {', '.join(OP_BACKENDS)}")))
+                        ("backend", lambda v: v in OP_BACKENDS, f"one of {', '.join(OP_BACKENDS)}"),
+                        ("step", lambda v: v in STEP_IMPLS, f"one of {', '.join(STEP_IMPLS)}")))
+        if self.step == "flat" and not self.fast:
+            raise ValueError("train.step 'flat' is the fast step's (set train.fast true, or train.step 'auto')")
 
 
 @dataclass

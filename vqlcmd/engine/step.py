@@ -43,9 +43,11 @@ class TrainStep:
 
     def __init__(self, engine, emas: list, *, streams, device: torch.device, gas: int,
                  deferred: bool, log: Callable, stop_requested: Callable[[], bool],
-                 checkpoint_words: Callable[[], str]):
-        # streams: each micro-step's slot's random streams (engine/streams.py)
+                 checkpoint_words: Callable[[], str], flat=None):
+        # streams: each micro-step's slot's random streams (engine/streams.py); flat: a FlatStep (deferred only)
+        # that takes the gradients and the update from DeepSpeed's engine (engine/flat_step.py)
         self.engine, self.emas, self.streams, self.device, self.gas = engine, emas, streams, device, gas
+        self.flat = flat
         self.deferred, self.log = deferred, log
         self.stop_requested, self.checkpoint_words = stop_requested, checkpoint_words
         self.net = engine.module.net
@@ -60,13 +62,11 @@ class TrainStep:
         unread device tensors waiting in ``pending`` for :meth:`flush`."""
         terms, acc, names = {}, None, None
         self.step_lr = self.engine.get_lr()[0]  # host-side: the scheduler's float
+        if self.flat is not None:
+            return self._flat_step(batches, step)
         with checked_upstream() if self.deferred else contextlib.nullcontext():
             for micro in range(self.gas):
-                tokens, labels = next(batches)
-                tokens = tokens.to(self.device, non_blocking=self.deferred)
-                labels = labels.to(self.device, non_blocking=self.deferred)
-                if self.net.config.num_classes == 0:
-                    labels = None
+                tokens, labels = self._next(batches)
                 with self.streams.draws(micro) as generator:
                     out = self.engine(tokens, labels, generator)
                 names = list(out)
@@ -93,6 +93,31 @@ class TrainStep:
         update_emas(self.emas, self.net)
         if not self.deferred:
             return terms
+        self.pending.append((step, names, acc))
+        return dict(zip(names, acc.unbind()))
+
+    def _next(self, batches):
+        tokens, labels = next(batches)
+        tokens = tokens.to(self.device, non_blocking=self.deferred)
+        labels = labels.to(self.device, non_blocking=self.deferred)
+        return tokens, (None if self.net.config.num_classes == 0 else labels)
+
+    def _flat_step(self, batches, step: int) -> dict:
+        """The deferred step through the flat step: the draws of each micro-step taken first (so the loss is one
+        graph), DeepSpeed's engine skipped for the gradients and the update."""
+        acc, module = None, self.engine.module
+        with checked_upstream():
+            for micro in range(self.gas):
+                tokens, labels = self._next(batches)
+                with self.streams.draws(micro) as generator:
+                    draws = module.draw(tokens, labels, generator)
+                    out = self.flat.micro_step(tokens, labels, {"generator": generator} if draws is None
+                                               else {"draws": draws}, micro, self.gas)
+                names = list(out)
+                values = torch.stack([out[k].detach().float().reshape(()) for k in names]) / self.gas
+                acc = values if acc is None else acc + values
+        self.bad_grads = self.bad_grads | ~torch.isfinite(self.flat.update())
+        update_emas(self.emas, self.net)
         self.pending.append((step, names, acc))
         return dict(zip(names, acc.unbind()))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..methods import apply_method
-from .build import attention_words, build_data, build_engine, build_model_and_emas, run_length_warnings
+from .build import attention_words, build_data, build_engine, build_flat_step, build_model_and_emas, run_length_warnings
 from .checkpoint import CheckpointError, CheckpointManager, tag_for
 from .config import ConfigError, VQLCMDConfig, repo_path
 from .data import check_data_paths
@@ -65,7 +65,8 @@ class Trainer:
         self.stepper = TrainStep(self.engine, [self.teacher, self.sampling_ema], streams=self.streams,
                                  device=self.device, gas=self.gas, deferred=t.fast, log=self.log,
                                  stop_requested=lambda: self.signal_seen is not None,
-                                 checkpoint_words=self.checkpoints.last_checkpoint_words)
+                                 checkpoint_words=self.checkpoints.last_checkpoint_words,
+                                 flat=build_flat_step(model, self.engine, cfg, self.device, self.log))
         self.step, self.signal_seen = 0, None  # (a SIGINT / SIGTERM on this rank)
         den = self.net.config
         self.log(f"vqlcmd: {sum(p.numel() for p in self.net.parameters()) / 1e6:.2f}M parameters, preset "

@@ -15,6 +15,11 @@ class Method:
     switches: dict = field(default_factory=dict)
     # losses(net, teacher_fn, schedule, tokens, labels, cfg, generator, backend) -> {"loss": ..., terms}
     losses: Callable = None
+    # draw(net, tokens, labels, cfg, generator, backend) -> the loss's random numbers, drawn first, and
+    # losses_drawn(net, teacher_fn, schedule, tokens, labels, cfg, draws, backend) -> losses' result with them:
+    # a loss that draws nothing compiles to one graph (the flat step's); without them the losses draw inside
+    draw: Optional[Callable] = None
+    losses_drawn: Optional[Callable] = None
     # the pipeline class that samples what this method trains (a VQLCMDPipeline subclass)
     pipeline_class: type = None
     # pipeline_kwargs(cfg) -> extra constructor arguments and sample defaults of the exported pipeline

@@ -1,0 +1,175 @@
+"""The flat step (``train.step``, docs/fast_training.md): a training step's gradients, clipping and AdamW as a few
+operations over DeepSpeed's own flat buffers, outside its engine's per-gradient bookkeeping.
+
+DeepSpeed's ZeRO 1/2 optimizer already keeps the trained weights as views of one flat 16-bit (or fp32)
+buffer per parameter group and steps AdamW on one flat fp32 partition of it. Around that, its engine spends
+thousands of small ops per step on the gradients: a hook per parameter copying each into a bucket and again
+into the partition, a cast and a norm per gradient (``benchmarks/host_overhead.py``). The flat step keeps
+DeepSpeed's buffers, optimizer, scheduler and checkpoint format, and does the rest itself:
+
+1. the loss is a function of one leaf tensor aliasing the flat weights: each parameter is a view of it inside
+   the (compiled) loss (``torch.func.functional_call``), so the backward yields one flat gradient, and none
+   of DeepSpeed's hooks (on the parameters) fire;
+2. that gradient is summed over micro-steps into one fp32 buffer, averaged over ranks in one all-reduce, and
+   this rank's partition is clipped by the global norm on the device (one norm, no read);
+3. DeepSpeed's inner optimizer steps its fp32 partition, which is copied into the 16-bit partition and
+   all-gathered, as DeepSpeed's ``step`` does; the engine's counters and rate schedule move as in
+   ``engine.step`` (``_take_model_step``).
+
+So a checkpoint is DeepSpeed's, written by its ``save_checkpoint`` from the same tensors, and a run may
+resume it under either step. Only ZeRO 1/2's ``DeepSpeedZeroOptimizer`` without offload, fp16 loss scaling or
+the per-tensor overflow check is served (:func:`flat_step_refusal` says why not otherwise).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def flat_step_refusal(engine) -> Optional[str]:
+    """Why the flat step cannot drive this engine (None: it can)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        return (f"DeepSpeed steps a {type(opt).__name__} here (the flat step drives ZeRO 1/2's "
+                "DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, and not stage 1 in bf16)")
+    if getattr(opt, "cpu_offload", False):
+        return "zero_optimization.offload_optimizer is set"
+    if engine.fp16_enabled():
+        return "fp16 (dynamic loss scaling) is on"
+    if getattr(opt, "check_grad_overflow", False):
+        return "bf16.check_grad_overflow is true (DeepSpeed's skip of non-finite steps)"
+    if getattr(opt, "round_robin_gradients", False) or opt.has_moe_layers:
+        return "zero_optimization.round_robin_gradients or MoE layers are set"
+    return None
+
+
+class FlatStep:
+    """Gradients and update of one run on ``engine``'s flat buffers, with the engine's module (the loss) as the
+    forward: ``module(tokens, labels, draws=...)`` (or ``generator=``, for a loss that draws inside)."""
+
+    def __init__(self, engine, *, compile_loss: bool, cuda_graphs: bool = False):
+        reason = flat_step_refusal(engine)
+        if reason:
+            raise ValueError(f"the flat step cannot drive this run: {reason}")
+        self.engine, self.opt, self.module = engine, engine.optimizer, engine.module
+        self.rank, self.world = self._rank_world()
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        # per parameter group: (leaf aliasing the flat weights, the split sizes that tile it, [(name, piece
+        # index, shape)]). Split, not sliced: split's backward is one concatenation of the pieces' gradients,
+        # where each slice's is a scatter into a zero buffer the flat buffer's size (300 of them: ~0.4 s a step
+        # of imagenet-246m's structure at width 64 on a CPU)
+        self.groups = []
+        for flat, params in zip(self.opt.bit16_groups_flat, self.opt.bit16_groups):
+            leaf = flat.detach().requires_grad_(True)  # the same storage: DeepSpeed's writes are seen
+            sizes, pieces, end = [], [], 0
+            for p in sorted(params, key=lambda q: q.data_ptr()):
+                offset = (p.data_ptr() - flat.data_ptr()) // flat.element_size()
+                if (p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() or not p.is_contiguous()
+                        or offset < end):
+                    raise ValueError(f"parameter {names[id(p)]} is not a view of DeepSpeed's flat buffer")
+                if offset > end:  # alignment padding between two parameters
+                    sizes.append(offset - end)
+                pieces.append((names[id(p)], len(sizes), p.shape))
+                sizes.append(p.numel())
+                end = offset + p.numel()
+            if flat.numel() > end:
+                sizes.append(flat.numel() - end)
+            self.groups.append((leaf, sizes, pieces))
+        self.leaves = [leaf for leaf, _, _ in self.groups]
+        # fp32 sums of the micro-steps' gradients, the flat buffers' layout (padding included)
+        self.grads = [torch.zeros(leaf.numel(), dtype=torch.float32, device=leaf.device) for leaf in self.leaves]
+        # this rank's partition of each, and its pieces of the parameters: DeepSpeed's norm is the root of the
+        # summed squares of one fp64 norm per piece, and the flat step's is the same number (one multi-tensor
+        # norm over views made once), so that clipping, and AdamW after it, see the gradients DeepSpeed's do
+        self.parts, self.pieces = [], []
+        for i, (acc, (_, sizes, pieces)) in enumerate(zip(self.grads, self.groups)):
+            size = int(self.opt.partition_size[i])
+            lo, hi = self.rank * size, (self.rank + 1) * size
+            self.parts.append(acc[lo:hi])
+            starts = [sum(sizes[:index]) for _, index, _ in pieces]
+            self.pieces += [acc[max(a, lo):min(a + shape.numel(), hi)]
+                            for a, (_, _, shape) in zip(starts, pieces) if a < hi and a + shape.numel() > lo]
+        self.norm: Optional[torch.Tensor] = None
+        loss = self._loss_of_leaves
+        if compile_loss:
+            # one graph per micro-step shape: the draws are inputs, not generator calls; "reduce-overhead"
+            # captures it in CUDA graphs (static shapes: dynamic=False)
+            loss = torch.compile(loss, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+        self.loss = loss
+
+    def _rank_world(self):
+        group = self.opt.real_dp_process_group[0]
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+    def _loss_of_leaves(self, leaves, tokens, labels, kwargs):
+        params = {}
+        for leaf, (_, sizes, pieces) in zip(leaves, self.groups):
+            chunks = leaf.split(sizes)
+            for name, index, shape in pieces:
+                params[name] = chunks[index].view(shape)
+        return torch.func.functional_call(self.module, params, (tokens, labels), kwargs, strict=False)
+
+    def micro_step(self, tokens, labels, kwargs: dict, micro: int, gas: int) -> dict:
+        """Forward and backward of one micro-batch (``kwargs``: the forward's ``draws`` or ``generator``); its
+        gradient (of loss / gas, as DeepSpeed scales it) added to the step's sums. Returns the loss terms
+        (device tensors)."""
+        out = self.loss(self.leaves, tokens, labels, kwargs)
+        grads = torch.autograd.grad(out["loss"] / gas if gas > 1 else out["loss"], self.leaves)
+        for acc, grad in zip(self.grads, grads):
+            if micro == 0:
+                acc.copy_(grad)
+            else:
+                acc.add_(grad)
+        return out
+
+    @torch.no_grad()
+    def update(self) -> torch.Tensor:
+        """Average over ranks, clip by the global norm, step AdamW, gather the weights; the engine's counters.
+        Returns the gradient norm before clipping (a device tensor), as DeepSpeed's ``_global_grad_norm``."""
+        opt, engine, parts = self.opt, self.engine, self.parts
+        if self.world > 1:
+            for i, acc in enumerate(self.grads):
+                dist.all_reduce(acc, group=opt.real_dp_process_group[i])
+                acc.div_(self.world)
+        # DeepSpeed's scaled_global_norm, op for op (get_grad_norm_direct, combine_grad_norm_groups)
+        square = torch.stack(torch._foreach_norm(self.pieces, 2, dtype=torch.float64)).pow(2).sum().float()
+        if self.world > 1:
+            dist.all_reduce(square, group=opt.dp_process_group)
+        norm = square.pow(1.0 / 2)
+        norm = torch.linalg.vector_norm(torch.stack([torch.where(torch.isfinite(norm), norm, float("inf"))]))
+        if opt.clip_grad > 0:  # DeepSpeed's unscale_and_clip_grads, the loss scale being 1
+            scale = 1.0 / torch.clamp((norm + 1e-6) / opt.clip_grad, min=1.0)
+            torch._foreach_mul_(parts, scale)
+        for i, part in enumerate(parts):
+            master = opt.single_partition_of_fp32_groups[i]
+            master.grad = part
+            opt._optimizer_step(i)  # DeepSpeed's inner optimizer on group i, as its own step calls it
+            master.grad = None
+            opt.parallel_partitioned_bit16_groups[i][self.rank].copy_(master)
+        if self.world > 1:
+            for i, partitions in enumerate(opt.parallel_partitioned_bit16_groups):
+                mine = partitions[self.rank].clone()
+                dist.all_gather(list(partitions), mine, group=opt.real_dp_process_group[i])
+        self.norm = norm
+        opt._global_grad_norm = norm
+        self._count_step(engine)
+        return norm
+
+    @staticmethod
+    def _count_step(engine) -> None:
+        """What ``engine.step`` does after DeepSpeed's optimizer step, for a step it applied."""
+        engine._global_grad_norm = engine.optimizer._global_grad_norm
+        engine._step_applied = True
+        if engine.lr_scheduler is not None:
+            engine.lr_scheduler.step()
+        engine.losses = None
+        engine.global_steps += 1
+        engine.global_samples += engine.train_batch_size()
+        engine.micro_steps += engine.gradient_accumulation_steps()
+
