@@ -84,6 +84,29 @@ def test_the_denoisers_strided_qkv_views_go_in_as_views(fake_fa4, monkeypatch):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
 
 
+def test_under_dynamo_the_call_is_left_to_run_eagerly(fake_fa4, monkeypatch):
+    """train.compile compiles the loss: FA4's call becomes a graph break (Dynamo does not trace the CuTe DSL's
+    launch), with the same values and gradients as uncompiled."""
+    monkeypatch.setattr(attn, "flash4_why_not", lambda q, k, v: None)
+    reference, traced = sys.modules["flash_attn.cute"].flash_attn_func, []
+
+    def spy(*a, **kw):
+        traced.append(torch.compiler.is_compiling())
+        return reference(*a, **kw)
+
+    sys.modules["flash_attn.cute"].flash_attn_func = spy
+    q, k, v = (torch.randn(2, 3, 8, 16, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: attn.attention(q, k, v, backend="flash4").sum(), backend="eager",
+                             fullgraph=False)
+    got = compiled(q, k, v)
+    grads = torch.autograd.grad(got, (q, k, v))
+    assert traced == [False]
+    want = F.scaled_dot_product_attention(q, k, v).sum()
+    torch.testing.assert_close(got, want)
+    for g, w in zip(grads, torch.autograd.grad(want, (q, k, v))):
+        torch.testing.assert_close(g, w)
+
+
 def test_with_dropout_flash4_runs_sdpa(fake_fa4):
     """FA4 has no dropout: training with attn_dropout > 0 takes SDPA (same random stream as backend='sdpa')."""
     q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))

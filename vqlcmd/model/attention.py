@@ -132,7 +132,8 @@ def resolved_backend(backend: str, q: torch.Tensor, dropout_p: float) -> str:
     return backend
 
 
-@torch.compiler.disable  # a graph break: Dynamo cannot trace into the CuTe DSL's JIT launch
+# a graph break under train.compile: Dynamo stays out of the CuTe DSL's Python launch (not yet run compiled on a GPU)
+@torch.compiler.disable
 def _flash4(q, k, v):
     why = flash4_why_not(q, k, v)
     if why is not None:
