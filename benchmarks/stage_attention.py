@@ -2,11 +2,15 @@
 
 ``math`` (explicit softmax(QKᵀ/√d)V in fp32) is the baseline. ``sdpa`` lets PyTorch
 pick its kernel; on CUDA its flash, memory-efficient and cuDNN kernels are also
-measured one by one (``sdpa-flash`` ...), and flash-attn 2/3 where installed; on CPU the
-extension's short-sequence kernel (``compiled``). Shapes are those of the paper presets
-(M = 256 tokens, head dim 64 and 48), plus a longer sequence on GPU and the digits model's
-training shape (72 images x 4 heads, M = 64, hd 32) on CPU. Dropout is 0 so that every backend, FA3 included, runs the
-same computation (training uses 0.1).
+measured one by one (``sdpa-flash`` ...), and flash-attn 2/3 where installed, and FlashAttention-4
+(``flash4``, the flash-attn-4 package, SM90/SM100) where it imports: the lease decides by these rows whether
+``auto`` should take it (it does not yet). On CPU the extension's short-sequence kernel (``compiled``).
+Shapes are those of the paper presets (M = 256 tokens, head dim 64 and 48), imagenet-246m's at the paper's 32
+images per GPU (16 heads of 48) and at its width with head dim 64 (12 heads), plus a longer sequence on GPU
+and the digits model's training shape (72 images x 4 heads, M = 64, hd 32) on CPU. Dropout is 0 so that every
+backend, FA3 and FA4 included, runs the same computation (training uses 0.1). On CUDA the figure is the
+CUDA-graph replay time (kernels only; ``launch_ms`` keeps the launch-bound time, which for FA4 includes its
+Python-side argument checks on every call).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def _shapes(ctx: Context) -> list[tuple[int, int, int, int]]:
     if ctx.quick:
         return [(2, 2, 16, 16)]
     if ctx.is_cuda:
-        return [(64, 8, 256, 64), (64, 16, 256, 48), (16, 16, 1024, 64)]
+        return [(32, 16, 256, 48), (32, 12, 256, 64), (64, 8, 256, 64), (64, 16, 256, 48), (16, 16, 1024, 64)]
     return [(72, 4, 64, 32), (4, 8, 256, 64), (2, 16, 256, 48)]
 
 
@@ -67,7 +71,28 @@ def _backends(ctx: Context, out: list) -> dict:
                 out.append(Skip(STAGE, "", name, "needs CUDA fp16/bf16 tensors"))
         else:
             backends[name] = (name, contextlib.nullcontext)
+    if ctx.wants("flash4"):
+        why = _flash4_why_not(ctx)
+        if why is None:
+            backends["flash4"] = ("flash4", contextlib.nullcontext)
+        else:
+            out.append(Skip(STAGE, "", "flash4", why))
     return {k: v for k, v in backends.items() if ctx.wants(k, baseline=k == BASELINE)}
+
+
+def _flash4_why_not(ctx: Context):
+    """Why FA4 gets no rows here (None: it does). Asked only after the device: importing the package loads
+    the CUTLASS DSL, seconds of work a CPU run need not do."""
+    if not ctx.is_cuda:
+        return "needs CUDA (an SM90 or SM100 GPU)"
+    probe = torch.empty(1, 1, 8, 64, device=ctx.device, dtype=torch.bfloat16)
+    why = attn_mod.flash4_why_not(probe, probe, probe)
+    if why is None:
+        try:
+            attn_mod.flash4_func()
+        except RuntimeError as exc:
+            why = str(exc)
+    return why
 
 
 def run(ctx: Context) -> list:
@@ -94,5 +119,5 @@ def run(ctx: Context) -> list:
 
                 run_case(ctx, out, stage=STAGE, case=case, backend=name, shape=shape, dtype=str(dtype)[6:], fn=fn,
                          baseline=BASELINE, extra=lambda t, f=flops: {"GFLOP/s": f / t.median_ms / 1e6},
-                         warmup=3, reps=10)
+                         warmup=3, reps=10, graph=True)
     return out

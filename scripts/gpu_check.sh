@@ -20,6 +20,9 @@
 #                  against the runners-up they beat on an H200 (one-pass forward, tiles dlogits), eager and
 #                  torch.compile, at the goal size only: N=32768 K=1024 D=256 bf16
 #   bench-noise    the compiled ops against the reference
+#   flash4         unpacks FlashAttention-4 (flash-attn-4) where scripts/flash4_wheels.sh's .fa4/ was carried
+#   bench-attention  benchmarks/run.py's attention stage: SDPA (its pick, flash, cuDNN) and FA4, bf16, fwd and
+#                  fwd+bwd, imagenet-246m's head dim 48 and 64
 #   train-256      batch 256, uncompiled
 # In that order, most valuable rows first: each step runs for at most its own limit and what is left of SECONDS
 # (default 540), so the later ones are cut or skipped once the budget is spent; a failing step does not stop the
@@ -155,6 +158,15 @@ VQLCMD_BENCH_SHAPES=goal step bench-softmax 70 "$py" benchmarks/run.py "${bench[
   --stage softmax_embedding_average --backend "$softmax"
 step bench-noise 40 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" --stage compiled_ops \
   --backend compiled
+# FlashAttention-4 against SDPA's flash and cuDNN kernels (stage_attention's flash4 rows; `auto` takes FA4 only
+# once these show it winning): scripts/flash4_wheels.sh packs it as two halves, each carried by its own call to the
+# same warm machine (.fa4/1, .fa4/2: together past one call's 64 MiB). Missing or broken, the flash4 step says why
+# and bench-attention measures SDPA alone.
+fa4site=$(mktemp -d)
+step flash4 60 bash scripts/flash4_wheels.sh unpack "${FA4_PARTS:-.fa4}" "$fa4site"
+[ -f "$fa4site/.imports" ] && export PYTHONPATH="$fa4site:$fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
+step bench-attention 240 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" --stage attention \
+  --backend sdpa,sdpa-flash,sdpa-cudnn,flash4
 train train-256 "${sizes[2]}" false 60
 
 qs_dir="$runs/digits"
@@ -176,5 +188,5 @@ if step reproduce "${REPRO_LIMIT:-480}" "$py" -m studies.reproduce --out "$out/r
   echo "=== reproduce report: exit $?"; tail -n "${TAIL_LINES:-20}" "$out/reproduce-report.log"
   rm -rf "$out/reproduce64/runs"  # checkpoints: the records, tables and plots are what comes back
 fi
-rm -rf "$runs"
+rm -rf "$runs" "$fa4site"
 echo "=== done after $(( $(date +%s) - start ))s, $(( deadline - $(date +%s) ))s of the budget left; rows: $out/rows.jsonl"

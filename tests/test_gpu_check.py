@@ -88,3 +88,51 @@ def test_a_failed_run_leaves_a_failed_row_naming_its_error(tmp_path):
     assert [r["case"] for r in rows] == ["train step", "summary"]
     assert rows[0]["median_ms"] == pytest.approx(400.0) and rows[0]["extra"]["step"] == 4  # 4 images at 10/s
     assert rows[1]["status"] == "failed" and "OutOfMemoryError" in rows[1]["reason"]
+
+
+def _fake_fa4_parts(tmp_path):
+    """What scripts/flash4_prepare.sh leaves in .fa4/: one xz archive of a site folder cut in two halves, here of a
+    stand-in flash_attn.cute (and the CUTLASS DSL's dsl_packages folder, which the step puts on the path)."""
+    import io
+    import lzma
+    import tarfile
+
+    files = {"flash_attn/cute/__init__.py": "def flash_attn_func(*a, **k):\n    raise RuntimeError('stand-in')\n",
+             "nvidia_cutlass_dsl/dsl_packages/cutlass_stand_in.py": "",
+             "flash_attn_4-4.0.0b36.dist-info/METADATA": "Name: flash-attn-4\nVersion: 4.0.0b36\n",
+             "nvidia_cutlass_dsl-4.8.1.dist-info/METADATA": "Name: nvidia-cutlass-dsl\nVersion: 4.8.1\n"}
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    packed = lzma.compress(raw.getvalue())
+    parts = tmp_path / "fa4"
+    for i, half in enumerate((packed[:len(packed) // 2], packed[len(packed) // 2:])):
+        (parts / str(i + 1)).mkdir(parents=True)
+        (parts / str(i + 1) / f"site.tar.xz.0{i}").write_bytes(half)
+    return parts
+
+
+@pytest.mark.parametrize("carried", [True, False])
+def test_the_flash4_steps_install_what_was_carried_or_say_why_not_and_time_sdpa_either_way(tmp_path, carried):
+    """STEPS=flash4,bench-attention, the FA4 lease's command: the halves joined and imported (a stand-in here),
+    or, without them, the step names what to carry; the attention stage runs in both cases (FA4 skipped on CPU)."""
+    out = tmp_path / "out"
+    env = _env(STEPS="flash4,bench-attention", FA4_PARTS=str(_fake_fa4_parts(tmp_path) if carried
+                                                              else tmp_path / "none"))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "300"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    said = done.stdout
+    if carried:
+        assert "=== flash4: exit 0" in said and "flash-attn-4 4.0.0b36 nvidia-cutlass-dsl 4.8.1" in said, said
+    else:
+        assert "=== flash4: exit 1" in said and "are not both carried" in said, said
+    assert "=== bench-attention: exit 0" in said, said
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert {r["backend"] for r in rows if r["status"] == "ok"} == {"math", "sdpa"}
+    fa4 = [r for r in rows if r["backend"] == "flash4"]
+    assert [r["status"] for r in fa4] == ["skipped"] and "needs CUDA" in fa4[0]["reason"]
+    assert "=== train-32" not in said and "=== build" not in said

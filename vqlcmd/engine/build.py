@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from ..ema import EMA
 from ..methods import get_method
-from ..model import attention_backend_for, preset_config
-from ..model.attention import sdpa_kernel_for
+from ..model import preset_config
+from ..model.attention import resolved_backend, sdpa_kernel_for
 from ..network import VQLCMDNetwork
 from ..schedule import ShiftedCosineSchedule
 from .config import ConfigError, VQLCMDConfig, repo_path
@@ -202,9 +202,7 @@ def attention_words(den_cfg, device, bf16: bool) -> str:
     (1, heads, M, head dim), asked of the backend choice with the model's dropout."""
     probe = torch.empty(1, den_cfg.heads, den_cfg.seq_len, den_cfg.width // den_cfg.heads, device=device,
                         dtype=torch.bfloat16 if bf16 else torch.float32)
-    attn = den_cfg.attention_backend
-    if attn == "auto":
-        attn = attention_backend_for(probe, den_cfg.attn_dropout)
+    attn = resolved_backend(den_cfg.attention_backend, probe, den_cfg.attn_dropout)
     if attn == "sdpa":
         attn = "sdpa/" + sdpa_kernel_for(probe, den_cfg.attn_dropout)
     return attn
