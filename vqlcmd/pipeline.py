@@ -187,14 +187,14 @@ class VQLCMDPipeline:
 
     # ---- fast sampling ------------------------------------------------------------------------------
     def enable_fast_sampling(self, mode: str = "compile", **compile_kwargs) -> "VQLCMDPipeline":
-        """Compile the denoiser used in the sampling loop (off by default).
+        """Compile the sampling loop's steps (off by default).
 
         ``mode``: "compile" (``torch.compile``, any device) or "cudagraphs" (``torch.compile`` with
-        mode="reduce-overhead": the compiled denoiser replays as CUDA graphs, which removes the per-step
-        launch overhead that dominates few-step sampling of small models; CUDA only). Shapes are
-        specialised (``dynamic=False``): each batch size (guidance doubles it) compiles once, so keep
-        ``batch_size`` fixed across calls. The guided step itself already runs the fused
-        ``guided_embedding_average`` (Triton on CUDA) through ``backend="auto"``.
+        mode="reduce-overhead": each compiled step replays as CUDA graphs, which removes the per-step
+        launch overhead that dominates few-step sampling of small models; CUDA only). The diffusion
+        samplers compile a whole step (the guided batched forward, Ψ̂, the update: ``sample_tokens(...,
+        compile=True)``); the MaskGIT sampler compiles the denoiser, with ``compile_kwargs``. Shapes are specialised (``dynamic=False``):
+        each batch size (guidance doubles it) compiles once, so keep ``batch_size`` fixed across calls.
         """
         if mode not in FAST_MODES:
             raise ValueError(f"fast sampling mode must be one of {FAST_MODES}, got {mode!r}")
@@ -204,12 +204,20 @@ class VQLCMDPipeline:
         if mode == "cudagraphs":
             kw.setdefault("mode", "reduce-overhead")
         self._sampling_denoiser = torch.compile(_SamplingDenoiser(self.network.denoiser), **kw)
+        # one module for every call: the compiled step's guards then hold from one call to the next
+        self._step_denoiser, self._step_mode = _SamplingDenoiser(self.network.denoiser), kw.get("mode")
         self.fast_mode = mode
         return self
 
     def disable_fast_sampling(self) -> "VQLCMDPipeline":
         self._sampling_denoiser, self.fast_mode = None, None
         return self
+
+    def _step_options(self) -> tuple:
+        """(denoiser, the samplers' compile arguments) for a diffusion sampling call."""
+        if self.fast_mode is None:
+            return self._denoiser(), {}
+        return self._step_denoiser, dict(compile=True, compile_mode=self._step_mode)
 
     def to(self, device: Union[str, torch.device, None] = None,
            dtype: Optional[torch.dtype] = None) -> "VQLCMDPipeline":
@@ -281,7 +289,7 @@ class VQLCMDPipeline:
         labels, n, guidance_scale, generator = self._request(class_labels, num_images, guidance_scale, generator,
                                                              output_type)
         table = self.network.embedding.table()
-        denoiser = self._denoiser()
+        denoiser, compile_kw = self._step_options()
         bar = None
         if progress and n > batch_size:
             from tqdm.auto import tqdm
@@ -292,7 +300,7 @@ class VQLCMDPipeline:
             with self._autocast():  # the sampler only: the tokenizer decodes in its own dtype
                 tokens = sample_tokens(denoiser, table, self.schedule, num_steps=num_steps, sampler=sampler,
                                        guidance_scale=guidance_scale, final=final, backend=backend,
-                                       guidance_interval=guidance_interval,
+                                       guidance_interval=guidance_interval, **compile_kw,
                                        progress=(progress_bar_kwargs(self) or True) if progress and bar is None
                                        else False, **kw)
             chunks.append(self._finish(tokens, output_type))

@@ -16,7 +16,7 @@ from . import ops
 # the names and the guidance interval a config chooses: defined with the schema, re-exported here
 from .engine.config import EVERY_T, FINALS, SAMPLERS, checked_interval  # noqa: F401
 from .model import Denoiser
-from .ops._checks import checked_guidance
+from .ops._checks import checked_guidance, checked_upstream
 from .ops.reference import guided_log_probs
 from .schedule import ShiftedCosineSchedule
 
@@ -74,8 +74,12 @@ def _logits_pair(denoiser: Callable, z, t, y, null_class: int, guided: bool):
 
 def ancestral_step(z_t, psi, schedule: ShiftedCosineSchedule, t, s, generator=None):
     """z_s ~ N(μ̂, σ²(s,t) I), μ̂ = c_z z_t + c_x Ψ̂ (closed-form posterior q(z_s | z_t, x=Ψ̂))."""
+    return ancestral_update(z_t, psi, schedule, t, s, randn(z_t.shape, generator, z_t.device))
+
+
+def ancestral_update(z_t, psi, schedule: ShiftedCosineSchedule, t, s, eps):
+    """``ancestral_step`` with its standard normal draw ``eps`` given."""
     c_z, c_x, var = schedule.posterior(t, s)
-    eps = randn(z_t.shape, generator, z_t.device)
     return c_z * z_t + c_x * psi + var.sqrt() * eps
 
 
@@ -161,6 +165,8 @@ def sample_tokens(
     backend: str = "auto",
     progress: bool = False,
     guidance_interval: Optional[Sequence[float]] = None,
+    compile: bool = False,
+    compile_mode: Optional[str] = None,
 ) -> torch.Tensor:
     """Draw token grids (B, M) int64. ``table`` is the (K+1, D) or (K, D) embedding table.
 
@@ -170,13 +176,17 @@ def sample_tokens(
     ``generator``: one torch.Generator, or a sequence of B (one per sample).
     ``guidance_interval`` (lo, hi): guide only the denoiser calls at noise levels lo <= t <= hi (the final
     draw is the call at t = 0); the others are plain conditional, one forward each. None: every call.
+    ``compile``: run each step (and the final call) as one ``torch.compile``d function (fullgraph, static
+    shapes; ``compile_mode`` is torch.compile's ``mode``: "reduce-overhead" replays CUDA graphs). The first
+    call of each variant (guided or not, sampler, ω, batch) compiles; the random draws stay eager, so a
+    seeded run draws the same numbers as without it. The loop reads nothing back to the host either way.
     """
     if final not in FINALS:
         raise ValueError(f"final must be 'sample' or 'argmax', got {final!r}")
     _, log_p = sample_latents(denoiser, table, schedule, num_samples=num_samples, class_labels=class_labels,
                               num_steps=num_steps, sampler=sampler, guidance_scale=guidance_scale,
                               generator=generator, seq_len=seq_len, backend=backend, progress=progress,
-                              guidance_interval=guidance_interval)
+                              guidance_interval=guidance_interval, compile=compile, compile_mode=compile_mode)
     if final == "argmax":
         return log_p.argmax(dim=-1)
     return multinomial_rows(log_p.exp(), generator)
@@ -198,6 +208,8 @@ def sample_latents(
     backend: str = "auto",
     progress: Union[bool, dict] = False,
     guidance_interval: Optional[Sequence[float]] = None,
+    compile: bool = False,
+    compile_mode: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the reverse process to t = 0: returns z_0 (B, M, D) and the (guided) log P(x | z_0; 0) (B, M, K).
 
@@ -222,8 +234,12 @@ def sample_latents(
     def guided(n: int) -> bool:  # on the host, from the step index: no device read of the grid
         return guidance_scale > 0 and lo <= n / num_steps <= hi
     codebook = table[:K].float()  # (K, D)
+    step, last = sampling_step, final_log_probs
+    if compile:
+        step, last = compiled_step(compile_mode), compiled_final(compile_mode)
 
     grid = torch.linspace(0.0, 1.0, num_steps + 1, device=device)
+    times = grid[:, None].expand(num_steps + 1, B).unbind(0)  # t_n (B,): views made once, not per step
     z = randn((B, M, D), generator, device)
     steps = range(num_steps, 0, -1)
     if progress:  # True, or tqdm's arguments (a pipeline's set_progress_bar_config)
@@ -231,21 +247,61 @@ def sample_latents(
 
         steps = tqdm(steps, **{"desc": f"{sampler} sampling", "leave": False,
                                **(progress if isinstance(progress, dict) else {})})
-    for n in steps:
-        t = grid[n].expand(B)
-        s = grid[n - 1].expand(B)
-        cond, uncond = _logits_pair(denoiser, z, t, y, cfg.num_classes, guided(n))
-        if uncond is not None:
-            psi = ops.guided_embedding_average(cond, uncond, codebook, guidance_scale, backend=backend)
-        else:
-            psi = ops.softmax_embedding_average(cond, codebook, backend=backend)
-        psi = psi.float()  # Ψ̂ (B, M, D)
-        tb, sb = t[:, None, None], s[:, None, None]
-        if sampler == "ancestral":
-            z = ancestral_step(z, psi, schedule, tb, sb, generator)
-        else:
-            z = ddim_step(z, psi, schedule, tb, sb)
-
-    cond, uncond = _logits_pair(denoiser, z, grid[0].expand(B), y, cfg.num_classes, guided(0))
-    log_p = guided_log_probs(cond, uncond, guidance_scale) if uncond is not None else torch.log_softmax(cond, dim=-1)
+    # the labels were range-checked above: the denoiser need not read them back at every call
+    with checked_upstream():
+        for n in steps:
+            # drawn here, where ancestral_step drew it after the forward: the same stream (the forward draws
+            # nothing), and a torch.Generator stays out of the compiled step
+            eps = randn((B, M, D), generator, device) if sampler == "ancestral" else None
+            z = step(denoiser, z, times[n], times[n - 1], y, eps, codebook, schedule, null_class=cfg.num_classes,
+                     guidance_scale=guidance_scale if guided(n) else 0.0, sampler=sampler, backend=backend)
+        log_p = last(denoiser, z, times[0], y, null_class=cfg.num_classes,
+                     guidance_scale=guidance_scale if guided(0) else 0.0)
     return z, log_p
+
+
+def sampling_step(denoiser, z, t, s, y, eps, codebook, schedule: ShiftedCosineSchedule, *, null_class: int,
+                  guidance_scale: float, sampler: str, backend: str = "auto") -> torch.Tensor:
+    """One reverse step z_t -> z_s (t, s: (B,)): the denoiser's logits (guided, ω = ``guidance_scale`` > 0: the
+    conditional and null rows in one forward), Ψ̂ from them, then the ancestral update (``eps``: its standard
+    normal draw) or the DDIM one. The unit that ``compile=True`` compiles."""
+    cond, uncond = _logits_pair(denoiser, z, t, y, null_class, guidance_scale > 0)
+    if uncond is not None:
+        psi = ops.guided_embedding_average(cond, uncond, codebook, guidance_scale, backend=backend)
+    else:
+        psi = ops.softmax_embedding_average(cond, codebook, backend=backend)
+    psi = psi.float()  # Ψ̂ (B, M, D)
+    tb, sb = t[:, None, None], s[:, None, None]
+    if sampler == "ancestral":
+        return ancestral_update(z, psi, schedule, tb, sb, eps)
+    return ddim_step(z, psi, schedule, tb, sb)
+
+
+def final_log_probs(denoiser, z, t, y, *, null_class: int, guidance_scale: float) -> torch.Tensor:
+    """The (guided) log P(x | z_0; 0) (B, M, K) of the last denoiser call."""
+    cond, uncond = _logits_pair(denoiser, z, t, y, null_class, guidance_scale > 0)
+    return guided_log_probs(cond, uncond, guidance_scale) if uncond is not None else torch.log_softmax(cond, dim=-1)
+
+
+# One torch.compile wrapper per mode, made once: Dynamo keeps its graphs on the function's code, and each
+# variant (guided or not, sampler, ω, batch and model shapes, autocast) is a guard of its own.
+_COMPILED: dict = {}
+
+
+def _compiled(fn, mode: Optional[str]):
+    key = (fn.__name__, mode)
+    if key not in _COMPILED:
+        # fullgraph: a graph break would put the eager dispatch back into every step; dynamic=False: static
+        # shapes, which CUDA graphs (mode="reduce-overhead") need
+        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    return _COMPILED[key]
+
+
+def compiled_step(mode: Optional[str] = None):
+    """``sampling_step`` compiled (``torch.compile`` ``mode``: None, or "reduce-overhead" for CUDA graphs)."""
+    return _compiled(sampling_step, mode)
+
+
+def compiled_final(mode: Optional[str] = None):
+    """``final_log_probs`` compiled, as ``compiled_step``."""
+    return _compiled(final_log_probs, mode)
