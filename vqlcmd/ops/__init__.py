@@ -37,14 +37,6 @@ for _op in OPS:
     register(_op, "reference", getattr(reference, _op), priority=lambda device: -1)
 
 
-def _inside_graph(backend: str) -> str:
-    """The backend of an elementwise op (GELU, AdaLN) under ``auto``: while torch.compile traces, the reference,
-    whose few ops inductor fuses with the matmuls' neighbours into its own kernels; the extension's kernel is
-    an opaque call there, with its own allocations and casts around it (98 AdaLN and 48 GELU calls per
-    forward of imagenet-246m's structure)."""
-    return "reference" if backend == "auto" and torch.compiler.is_compiling() else backend
-
-
 def _resolve_for_ids(op: str, backend: str, tokens: torch.Tensor, table: torch.Tensor, like: torch.Tensor,
                      drop_mask: Optional[torch.Tensor] = None):
     """The implementation of a token-id op for ``backend`` (resolved on ``like``'s device and dtype), with the
@@ -173,7 +165,7 @@ def gelu_tanh(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"gelu_tanh takes a floating-point tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-    return resolve("gelu_tanh", _inside_graph(backend), x)(x)
+    return resolve("gelu_tanh", backend, x)(x)
 
 
 def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *, eps: float = 1e-5,
@@ -187,7 +179,7 @@ def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
     (csrc/ada_layer_norm).
     """
     _checks.check_ada_layer_norm_inputs(h, scale, shift, eps)
-    return resolve("ada_layer_norm", _inside_graph(backend), h, scale, shift)(h, scale, shift, eps)
+    return resolve("ada_layer_norm", backend, h, scale, shift)(h, scale, shift, eps)
 
 
 def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
