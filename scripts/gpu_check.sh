@@ -5,17 +5,20 @@
 #                  lacks them
 #   build          builds the C++/CUDA extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise)
 #   train-32       `deepspeed scripts/train.py --config ds_imagenet.json` (imagenet-246m, bf16, ZeRO 2) with the
-#                  fast step, uncompiled, per-GPU batch 32 (the paper's), 100 steps on a synthetic token set in
-#                  ImageNet layout: images/s and MFU rows from its log steps (benchmarks/train_rows.py)
+#                  fast step, the flat step compiled (train.step flat), per-GPU batch 32 (the paper's), 100 steps
+#                  on a synthetic token set in ImageNet layout: images/s and MFU rows from its log steps
+#                  (benchmarks/train_rows.py)
+#   train-32-ds    the same through DeepSpeed's engine step, eager (the fast step before the flat step)
+#   train-32g      train-32 with train.cuda_graphs (the compiled loss captured in CUDA graphs)
 #   host           benchmarks/host_overhead.py at full size, batch 32: the step's host time by phase and its
-#                  device reads, with the fast step's DeepSpeed keys and again with DeepSpeed's defaults (bf16
-#                  overflow check, throughput timer) on the same tree; rows to OUT_DIR/host.jsonl
+#                  device reads, DeepSpeed's engine step and the flat step; rows to OUT_DIR/host.jsonl
+#   sample         benchmarks/sampling_overhead.py at imagenet-246m, batch 256, guided: ms per step at 50 and 2
+#                  steps, eager and compiled (images/s = 256 / (steps x ms)); rows to OUT_DIR/sample.jsonl
 #   gpu-tests      every test marked `gpu` (the quick CUDA-extension tests first, the cold-autotuning Triton ones
 #                  last; -v, so a step cut off by its limit still names each result)
 #   gpu-defaults   the Triton launch-choice test that is not marked `gpu` but must hold on one (the kernels a
 #                  GPU launches by default for bf16 and float32 inputs)
-#   train-32c      the same with torch.compile (train.compile): the compiled-vs-eager ratio at batch 32
-#   train-128      batch 128, uncompiled
+#   train-128      batch 128, the flat step compiled
 #   bench-softmax  the Triton softmax_embedding_average defaults (first-tile forward, rows dlogits for bf16)
 #                  against the runners-up they beat on an H200 (one-pass forward, tiles dlogits), eager and
 #                  torch.compile, at the goal size only: N=32768 K=1024 D=256 bf16
@@ -23,7 +26,7 @@
 #   flash4         unpacks FlashAttention-4 (flash-attn-4) where scripts/flash4_wheels.sh's .fa4/ was carried
 #   bench-attention  benchmarks/run.py's attention stage: SDPA (its pick, flash, cuDNN) and FA4, bf16, fwd and
 #                  fwd+bwd, imagenet-246m's head dim 48 and 64
-#   train-256      batch 256, uncompiled
+#   train-256      batch 256, the flat step compiled
 # In that order, most valuable rows first: each step runs for at most its own limit and what is left of SECONDS
 # (default 540), so the later ones are cut or skipped once the budget is spent; a failing step does not stop the
 # later ones, and a step cut short keeps its rows (run.py appends on SIGTERM; the training rows come from the
@@ -127,33 +130,38 @@ else
 fi
 "$py" benchmarks/synthetic_shards.py "$runs/shards" --preset "$preset" --images "$images" >/dev/null
 
-train() {  # train NAME BATCH COMPILE LIMIT: one training run, then its rows (also when cut short or failed)
-  local name=$1 batch=$2 comp=$3 limit=$4
+train() {  # train NAME BATCH COMPILE LIMIT [STEP [GRAPHS]]: one training run (train.step STEP, default flat;
+  # GRAPHS true: train.cuda_graphs), then its rows (also when cut short or failed)
+  local name=$1 batch=$2 comp=$3 limit=$4 impl=${5:-flat} graphs=${6:-false}
   [ "$dry" = 1 ] && comp=false
   step "$name" "$limit" "${launcher[@]}" --config ds_imagenet.json --no-progress \
     --set model.preset="$preset" --set "model.overrides=$overrides" --set data.shards="$runs/shards" \
     --set data.tokenizer=null --set train_batch_size="$batch" --set train.steps="$steps" \
     --set train.log_every="$log_every" --set train.sample_every=0 --set train.checkpoint_every=0 \
     --set optimizer.warmup_steps="$log_every" --set train.fast=true --set train.compile="$comp" \
-    --set train.output_dir="$runs/$name" || return 0
-  local backend=fast; [ "$comp" = true ] && backend=fast+compile
+    --set train.step="$impl" --set train.cuda_graphs="$graphs" --set train.output_dir="$runs/$name" || return 0
+  local backend="fast-$impl"; [ "$comp" = true ] && backend="$backend+compile"; [ "$graphs" = true ] && backend+=+graphs
   "$py" benchmarks/train_rows.py "$runs/$name" --backend "$backend" --log "$out/$name.log" \
     --out "$out/rows.jsonl" 2>&1 | tail -n 3
   rm -rf "$runs/$name/checkpoints" "$runs/$name/pipeline"  # gigabytes at imagenet-246m, in memory
 }
 
-train train-32 "${sizes[0]}" false 90
+train train-32 "${sizes[0]}" "$compile" 150  # the flat step, compiled: the headline
+train train-32-ds "${sizes[0]}" false 90 deepspeed  # DeepSpeed's engine step, eager: the fast step before the flat one
+train train-32g "${sizes[0]}" "$compile" 120 flat true  # CUDA graphs (train.cuda_graphs: default off until this wins)
 if [ "$dry" = 1 ]; then host=(--size tiny --batch 2 --steps 3 --warmup 1); else
   host=(--size full --batch "${sizes[0]}" --bf16 true --steps 30 --warmup 10); fi
 step host 100 bash -c '"$0" benchmarks/host_overhead.py "${@:2}" --reads --json "$1" && "$0" benchmarks/host_overhead.py \
-  "${@:2}" --json "$1" --ds '"'"'{"bf16": {"check_grad_overflow": true}, "timers": {"throughput": {"enabled": true}}}'"'"'' \
-  "$py" "$out/host.jsonl" "${host[@]}"
+  "${@:2}" --step flat --json "$1"' "$py" "$out/host.jsonl" "${host[@]}"
+# guided sampling throughput (imagenet-246m, one GPU, batched): 50 and 2 steps, eager and compiled
+if [ "$dry" = 1 ]; then sample=(--size tiny --batch 2) compiled=""; else sample=(--size full --batch 256) compiled=--compile; fi
+step sample 120 bash -c 'for n in 50 2; do for c in "" $2; do "$0" benchmarks/sampling_overhead.py "${@:3}" \
+  --steps $n $c --json "$1" || exit 1; done; done' "$py" "$out/sample.jsonl" "$compiled" "${sample[@]}"
 step gpu-tests 180 "$py" -m pytest -v -p no:cacheprovider -m gpu -rs --durations=15 \
   tests/ops tests/pipeline tests/benchmarks tests/kernels
 step gpu-defaults 40 "$py" -m pytest -v -p no:cacheprovider \
   tests/kernels/test_softmax_embedding_average.py::test_the_defaults_launch_what_a_gpu_runs_for_the_dtype
-train train-32c "${sizes[0]}" "$compile" 150
-train train-128 "${sizes[1]}" false 60
+train train-128 "${sizes[1]}" "$compile" 120
 VQLCMD_BENCH_SHAPES=goal step bench-softmax 70 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" \
   --stage softmax_embedding_average --backend "$softmax"
 step bench-noise 40 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" --stage compiled_ops \
@@ -167,7 +175,7 @@ step flash4 60 bash scripts/flash4_wheels.sh unpack "${FA4_PARTS:-.fa4}" "$fa4si
 [ -f "$fa4site/.imports" ] && export PYTHONPATH="$fa4site:$fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 step bench-attention 240 "$py" benchmarks/run.py "${bench[@]}" --out "$out/rows.jsonl" --stage attention \
   --backend sdpa,sdpa-flash,sdpa-cudnn,flash4
-train train-256 "${sizes[2]}" false 60
+train train-256 "${sizes[2]}" "$compile" 120
 
 qs_dir="$runs/digits"
 if step quickstart 300 "${launcher[@]}" --config ds_digits.json --evaluate --no-progress \

@@ -24,22 +24,26 @@ def test_the_dry_run_runs_every_step_and_writes_rows_naming_the_tree(tmp_path):
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     said = done.stdout
-    for name in ("train-32", "host", "gpu-tests", "gpu-defaults", "train-32c", "train-128", "bench-softmax",
-                 "bench-noise", "train-256"):
+    for name in ("train-32", "train-32-ds", "train-32g", "host", "sample", "gpu-tests", "gpu-defaults", "train-128",
+                 "bench-softmax", "bench-noise", "train-256"):
         assert f"=== {name}: exit 0" in said, (name, said[-4000:])
     assert "quickstart" not in said  # only when STEPS names it
     commit = next(line.split(": ", 1)[1] for line in (out / "env.txt").read_text().splitlines()
                   if line.startswith("commit: "))
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert rows and all(r["commit"] == commit for r in rows)
-    # the host step: the fast step's DeepSpeed keys, then DeepSpeed's defaults, on the same tree
+    # the host step: DeepSpeed's engine step, then the flat step, on the same tree
     host = [json.loads(line) for line in (out / "host.jsonl").read_text().splitlines()]
     assert len(host) == 2 and all(r["commit"] == commit and r["ms_per_step"] > 0 for r in host)
+    assert [r["step"] for r in host] == ["deepspeed", "flat"]
+    sampled = [json.loads(line) for line in (out / "sample.jsonl").read_text().splitlines()]
+    assert len(sampled) == 2 and all(r["ms_per_step"] > 0 for r in sampled)  # 50 and 2 steps, eager (dry run)
     summaries = [r for r in rows if r["stage"] == "train" and r["case"] == "summary"]
-    # the four runs, each with a steady interval after its first: batches 4 (twice: the compiled run's place,
-    # uncompiled on CPU), 8, 16
-    assert sorted(r["shape"] for r in summaries) == ["tiny B16 x1 ranks", "tiny B4 x1 ranks", "tiny B4 x1 ranks",
-                                                     "tiny B8 x1 ranks"]
+    # the five runs, each with a steady interval after its first: batches 4 (three times: the flat step,
+    # DeepSpeed's, CUDA graphs' place; uncompiled on CPU), 8, 16
+    assert sorted(r["shape"] for r in summaries) == ["tiny B16 x1 ranks"] + ["tiny B4 x1 ranks"] * 3 + [
+        "tiny B8 x1 ranks"]
+    assert {r["backend"] for r in summaries} == {"fast-flat", "fast-deepspeed", "fast-flat+graphs"}
     assert all(r["status"] == "ok" and r["extra"]["images/s"] > 0 and r["extra"]["TFLOP/step"] > 0
                for r in summaries)
     assert {(r["stage"], r["backend"]) for r in rows if r["stage"] != "train"} >= {

@@ -28,6 +28,15 @@ import torch
 import torch.distributed as dist
 
 
+class _HooklessForward(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.inner = module
+
+    def forward(self, *args, **kwargs):
+        return self.inner.forward(*args, **kwargs)
+
+
 def flat_step_refusal(engine) -> Optional[str]:
     """Why the flat step cannot drive this engine (None: it can)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -56,8 +65,11 @@ class FlatStep:
         if reason:
             raise ValueError(f"the flat step cannot drive this run: {reason}")
         self.engine, self.opt, self.module = engine, engine.optimizer, engine.module
+        # the module's forward without its call hooks: DeepSpeed's (timers, micro-step bookkeeping) read engine
+        # counters that change every step, which Dynamo would guard on and recompile for
+        self._forward = _HooklessForward(self.module)
         self.rank, self.world = self._rank_world()
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        names = {id(p): "inner." + n for n, p in self.module.named_parameters()}
         # per parameter group: (leaf aliasing the flat weights, the split sizes that tile it, [(name, piece
         # index, shape)]). Split, not sliced: split's backward is one concatenation of the pieces' gradients,
         # where each slice's is a scatter into a zero buffer the flat buffer's size (300 of them: ~0.4 s a step
@@ -113,20 +125,26 @@ class FlatStep:
             chunks = leaf.split(sizes)
             for name, index, shape in pieces:
                 params[name] = chunks[index].view(shape)
-        return torch.func.functional_call(self.module, params, (tokens, labels), kwargs, strict=False)
+        return torch.func.functional_call(self._forward, params, (tokens, labels), kwargs, strict=False)
 
     def micro_step(self, tokens, labels, kwargs: dict, micro: int, gas: int) -> dict:
         """Forward and backward of one micro-batch (``kwargs``: the forward's ``draws`` or ``generator``); its
         gradient (of loss / gas, as DeepSpeed scales it) added to the step's sums. Returns the loss terms
         (device tensors)."""
-        out = self.loss(self.leaves, tokens, labels, kwargs)
-        grads = torch.autograd.grad(out["loss"] / gas if gas > 1 else out["loss"], self.leaves)
+        out = self.forward(tokens, labels, kwargs)
+        self.backward(out["loss"], micro, gas)
+        return out
+
+    def forward(self, tokens, labels, kwargs: dict) -> dict:
+        return self.loss(self.leaves, tokens, labels, kwargs)
+
+    def backward(self, loss: torch.Tensor, micro: int, gas: int) -> None:
+        grads = torch.autograd.grad(loss / gas if gas > 1 else loss, self.leaves)
         for acc, grad in zip(self.grads, grads):
             if micro == 0:
                 acc.copy_(grad)
             else:
                 acc.add_(grad)
-        return out
 
     @torch.no_grad()
     def update(self) -> torch.Tensor:
