@@ -77,3 +77,53 @@ def test_a_resume_under_the_flat_step_is_bit_exact(tmp_path, tiny_shards_module,
     uninterrupted flat run's exactly (torch.equal), with one micro-step and with micro 4 x accumulation 2."""
     got = _resumed(tmp_path, tiny_shards_module, make_config, "flat", "flat", GAS[gas])
     _assert_exact(got, uninterrupted(make_config, "flat", gas))
+
+
+def _two_rank_worker(rank, port, configs, out):
+    """Rank ``rank`` of 2 (gloo): each config of ``configs`` trained 3 steps; its rows (averaged over ranks), its
+    weights and its ZeRO partition's size to ``out``/rank<r>.pt."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = {}
+    for step, path in configs:
+        ds, cfg = load_config(path, edit_deepspeed=lambda raw: raw.update(bf16={"enabled": False}))
+        tr = Trainer(ds, cfg, log=lambda *a, **k: None)
+        batches = tr.loader.forever()
+        for _ in range(3):
+            tr.train_step(batches)
+        opt, flat = tr.engine.optimizer, tr.stepper.flat
+        result[step] = {"rows": tr.stepper.flush(), "weights": [p.detach().clone() for p in tr.net.parameters()],
+                        "partition": opt.single_partition_of_fp32_groups[0].numel(),
+                        "flat": opt.bit16_groups_flat[0].numel(),
+                        "flat_part": None if flat is None else (flat.parts[0].numel(), flat.parts[0].storage_offset())}
+        del tr, opt, flat
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_the_flat_step_on_two_ranks_trains_as_deepspeeds_zero2_step(tmp_path, tiny_shards_module, make_config):
+    """Two gloo ranks, ZeRO 2, fp32, 3 steps: the flat step (the full fp32 gradient all-reduced, divided by the
+    world size, each rank clipping and stepping its half of DeepSpeed's fp32 partition, then all-gathered)
+    against DeepSpeed's (bucketed reduce-scatter into the same partitions). The losses averaged over ranks and
+    the final weights are equal bit for bit: a sum of two addends is the same in either order, and halving it
+    is exact, so both reductions give the same mean gradient, and the norm and AdamW are DeepSpeed's op for op.
+    Each rank steps its own half: the fp32 partitions and the flat step's gradient slices tile the flat buffer."""
+    from vqlcmd.engine.distributed import free_port
+
+    configs = [(step, str(make_config(tmp_path / step, tiny_shards_module, fast=True, step=step, steps=3)))
+               for step in ("flat", "deepspeed")]
+    mp.spawn(_two_rank_worker, args=(free_port(), configs, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    flat, ds = ranks[0]["flat"], ranks[0]["deepspeed"]
+    assert [row["step"] for row in flat["rows"]] == [1, 2, 3]
+    assert flat["rows"] == ds["rows"]
+    assert flat["rows"][0]["loss"] != flat["rows"][-1]["loss"]
+    for rank in ranks:  # the all-gather left both ranks with the same weights, under either step
+        for step in ("flat", "deepspeed"):
+            assert all(torch.equal(a, b) for a, b in zip(rank[step]["weights"], ds["weights"])), step
+    numel = sum(w.numel() for w in ds["weights"])
+    for r, rank in enumerate(ranks):
+        size, total = rank["flat"]["partition"], rank["flat"]["flat"]
+        assert 2 * size == total >= numel and size < numel
+        assert rank["flat"]["flat_part"] == (size, r * size)  # the flat step clips and steps this rank's half
+        assert rank["deepspeed"]["partition"] == size
