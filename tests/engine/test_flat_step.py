@@ -127,3 +127,78 @@ def test_the_flat_step_on_two_ranks_trains_as_deepspeeds_zero2_step(tmp_path, ti
         assert 2 * size == total >= numel and size < numel
         assert rank["flat"]["flat_part"] == (size, r * size)  # the flat step clips and steps this rank's half
         assert rank["deepspeed"]["partition"] == size
+
+
+def _built(tmp_path, shards, make_config, *, zero=2, bf16=False, ds_edit=None, **train):
+    """A Trainer of a fast tiny run at ZeRO ``zero``, and its log lines."""
+    logs = []
+    ds, cfg = load_config(str(make_config(tmp_path, shards, fast=True, **train)),
+                          edit_deepspeed=lambda raw: raw.update(bf16={"enabled": bf16},
+                                                                zero_optimization={"stage": zero}, **(ds_edit or {})))
+    return Trainer(ds, cfg, log=lambda line, *a, **k: logs.append(str(line))), logs
+
+
+def _step_lines(logs):
+    return [line for line in logs if line.startswith("step: ")]
+
+
+def test_train_step_flat_without_train_fast_is_refused_at_config_load(tmp_path, tiny_shards_module, make_config):
+    with pytest.raises(ConfigError, match=r"train\.step 'flat' is the fast step's \(set train\.fast true"):
+        load_config(str(make_config(tmp_path, tiny_shards_module, step="flat")))
+    load_config(str(make_config(tmp_path, tiny_shards_module, step="deepspeed")))  # (DeepSpeed's: any step)
+
+
+FP32_ACCUMULATION = {"data_types": {"grad_accum_dtype": "fp32"}}
+
+
+@pytest.mark.parametrize("zero, bf16, ds_edit, optimizer", [(0, False, None, "AdamW"),
+                                                            (1, True, FP32_ACCUMULATION, "BF16_Optimizer")],
+                         ids=["ZeRO 0 fp32", "ZeRO 1 bf16, fp32 accumulation"])
+def test_a_run_deepspeed_steps_without_zero_1_2s_optimizer_refuses_flat_and_auto_falls_back(
+        tmp_path, tiny_shards_module, make_config, zero, bf16, ds_edit, optimizer):
+    """ZeRO 0 (a plain client optimizer) and ZeRO 1 in bf16 with fp32 gradient accumulation (DeepSpeed's
+    BF16_Optimizer; with bf16 accumulation, the default, ZeRO 1 keeps its DeepSpeedZeroOptimizer) keep no flat
+    ZeRO 1/2 partition to step: "flat" is refused naming the optimizer DeepSpeed chose, "auto" takes
+    DeepSpeed's step and says why."""
+    refusal = rf"train\.step 'flat' cannot drive this run: DeepSpeed steps a {optimizer} here \(the flat step "
+    with pytest.raises(ConfigError, match=refusal + r"drives ZeRO 1/2's DeepSpeedZeroOptimizer"):
+        _built(tmp_path / "flat", tiny_shards_module, make_config, zero=zero, bf16=bf16, ds_edit=ds_edit,
+               step="flat")
+    tr, logs = _built(tmp_path / "auto", tiny_shards_module, make_config, zero=zero, bf16=bf16, ds_edit=ds_edit)
+    assert tr.stepper.flat is None
+    assert _step_lines(logs) == [f"step: DeepSpeed's engine (DeepSpeed steps a {optimizer} here (the flat step "
+                                 "drives ZeRO 1/2's DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, and "
+                                 "not stage 1 in bf16))"]
+
+
+@pytest.mark.parametrize("zero, bf16, step, flat", [(2, False, "auto", True), (2, False, "flat", True),
+                                                    (2, False, "deepspeed", False), (1, True, "auto", True)],
+                         ids=["ZeRO 2 auto", "ZeRO 2 flat", "ZeRO 2 deepspeed", "ZeRO 1 bf16 auto"])
+def test_at_zero_1_2_auto_takes_the_flat_step_and_the_log_says_which(tmp_path, tiny_shards_module, make_config,
+                                                                      zero, bf16, step, flat):
+    """ZeRO 1 in bf16 with DeepSpeed's default (bf16) gradient accumulation keeps DeepSpeedZeroOptimizer: flat."""
+    tr, logs = _built(tmp_path, tiny_shards_module, make_config, zero=zero, bf16=bf16, step=step)
+    assert (tr.stepper.flat is not None) == flat
+    (line,) = _step_lines(logs)
+    if flat:
+        assert line.startswith("step: flat (one gradient buffer, clipped and stepped on DeepSpeed's flat ZeRO")
+    else:
+        assert line == "step: DeepSpeed's engine (train.step is 'deepspeed')"
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_at_zero_1_the_flat_step_trains_as_deepspeeds_step(tmp_path, tiny_shards_module, make_config, bf16):
+    """ZeRO 1 (which ``auto`` also takes flat; test_fast_step compares at ZeRO 2): 3 steps, one rank, the same
+    losses and weights under either step, bit for bit, in fp32 and in bf16."""
+    runs = {}
+    for step in ("flat", "deepspeed"):
+        tr = _trainer(tmp_path / step, tiny_shards_module, make_config, bf16=bf16, fast=True, step=step,
+                      ds_edit={"zero_optimization": {"stage": 1}})
+        assert (tr.stepper.flat is not None) == (step == "flat")
+        batches = tr.loader.forever()
+        for _ in range(3):
+            tr.train_step(batches)
+        runs[step] = tr.stepper.flush(), [p.detach().clone() for p in tr.net.parameters()]
+    (flat_rows, flat_weights), (ds_rows, ds_weights) = runs["flat"], runs["deepspeed"]
+    assert flat_rows == ds_rows
+    assert all(torch.equal(a, b) for a, b in zip(flat_weights, ds_weights))
