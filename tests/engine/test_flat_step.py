@@ -1,0 +1,204 @@
+"""train.step (vqlcmd/engine/flat_step.py): checkpoints written under the flat step resume under DeepSpeed's
+engine step and the other way round, a resume under the flat step is bit-exact, the flat step on two gloo ranks
+trains as DeepSpeed's ZeRO 2 step does on its own partitions, and the refusals and the choice of ``auto``.
+The tiny preset with its attention dropout: the random streams are per slot and saved in the rank state."""
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from test_fast_step import _trainer
+from vqlcmd.engine.config import ConfigError
+from vqlcmd.engine.config_file import load_config
+from vqlcmd.engine.trainer import Trainer
+
+STEPS = 4
+ACCUMULATION = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+GAS = {"one micro-step": None, "accumulation": ACCUMULATION}
+
+
+def _train(tmp_path, shards, make_config, step, ds_edit=None, until=None):
+    """A fast run of STEPS steps in ``tmp_path`` (resuming what is there) with ``train.step`` = ``step``, stopped
+    at ``until``: (its history, its final weights)."""
+    tr = _trainer(tmp_path, shards, make_config, ds_edit=ds_edit, fast=True, step=step, steps=STEPS, log_every=1)
+    assert (tr.stepper.flat is not None) == (step == "flat")
+    history = tr.train(progress=False, until=until)
+    return history, [p.detach().clone() for p in tr.net.parameters()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_shards_module):
+    """uninterrupted(make_config, step, gas id): the STEPS-step run, once per module."""
+    runs = {}
+
+    def get(make_config, step, gas):
+        if (step, gas) not in runs:
+            folder = tmp_path_factory.mktemp(f"{step}-{gas.replace(' ', '-')}")
+            runs[step, gas] = _train(folder, tiny_shards_module, make_config, step, GAS[gas])
+        return runs[step, gas]
+
+    return get
+
+
+def _resumed(tmp_path, shards, make_config, first, then, ds_edit=None):
+    """Steps 1-2 under ``train.step`` = ``first``, saved; steps 3-4 resumed in a new Trainer under ``then``."""
+    part1, _ = _train(tmp_path, shards, make_config, first, ds_edit, until=2)
+    assert [row["step"] for row in part1] == [1, 2]
+    assert (tmp_path / "run" / "checkpoints" / "step_0000002").is_dir()
+    part2, weights = _train(tmp_path, shards, make_config, then, ds_edit)
+    assert [row["step"] for row in part2] == [3, 4]
+    return part2, weights
+
+
+def _assert_exact(got, want):
+    (history, weights), (ref_history, ref_weights) = got, want
+    assert history == [row for row in ref_history if row["step"] > 2]
+    assert len(weights) == len(ref_weights)
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
+
+
+@pytest.mark.parametrize("first, then", [("flat", "deepspeed"), ("deepspeed", "flat")])
+def test_a_checkpoint_of_either_step_resumes_under_the_other(tmp_path, tiny_shards_module, make_config,
+                                                              uninterrupted, first, then):
+    """The flat step writes DeepSpeed's checkpoint from DeepSpeed's own buffers (weights, fp32 partition, AdamW
+    moments, step counters, rate schedule): resumed under the other step, steps 3-4 are the uninterrupted runs'
+    of either step bit for bit, fp32 (the flat step's norm and update are DeepSpeed's op for op)."""
+    got = _resumed(tmp_path, tiny_shards_module, make_config, first, then)
+    _assert_exact(got, uninterrupted(make_config, then, "one micro-step"))
+    _assert_exact(got, uninterrupted(make_config, first, "one micro-step"))
+    history = uninterrupted(make_config, then, "one micro-step")[0]
+    assert history[0]["loss"] != history[-1]["loss"]  # it trains: not a frozen run matching trivially
+
+
+@pytest.mark.parametrize("gas", list(GAS))
+def test_a_resume_under_the_flat_step_is_bit_exact(tmp_path, tiny_shards_module, make_config, uninterrupted, gas):
+    """Flat 2 steps, saved, resumed, flat 2 more: the losses of steps 3-4 and the final weights are the
+    uninterrupted flat run's exactly (torch.equal), with one micro-step and with micro 4 x accumulation 2."""
+    got = _resumed(tmp_path, tiny_shards_module, make_config, "flat", "flat", GAS[gas])
+    _assert_exact(got, uninterrupted(make_config, "flat", gas))
+
+
+def _two_rank_worker(rank, port, configs, out):
+    """Rank ``rank`` of 2 (gloo): each config of ``configs`` trained 3 steps; its rows (averaged over ranks), its
+    weights and its ZeRO partition's size to ``out``/rank<r>.pt."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = {}
+    for step, path in configs:
+        ds, cfg = load_config(path, edit_deepspeed=lambda raw: raw.update(bf16={"enabled": False}))
+        tr = Trainer(ds, cfg, log=lambda *a, **k: None)
+        batches = tr.loader.forever()
+        for _ in range(3):
+            tr.train_step(batches)
+        opt, flat = tr.engine.optimizer, tr.stepper.flat
+        result[step] = {"rows": tr.stepper.flush(), "weights": [p.detach().clone() for p in tr.net.parameters()],
+                        "partition": opt.single_partition_of_fp32_groups[0].numel(),
+                        "flat": opt.bit16_groups_flat[0].numel(),
+                        "flat_part": None if flat is None else (flat.parts[0].numel(), flat.parts[0].storage_offset())}
+        del tr, opt, flat
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_the_flat_step_on_two_ranks_trains_as_deepspeeds_zero2_step(tmp_path, tiny_shards_module, make_config):
+    """Two gloo ranks, ZeRO 2, fp32, 3 steps: the flat step (the full fp32 gradient all-reduced, divided by the
+    world size, each rank clipping and stepping its half of DeepSpeed's fp32 partition, then all-gathered)
+    against DeepSpeed's (bucketed reduce-scatter into the same partitions). The losses averaged over ranks and
+    the final weights are equal bit for bit: a sum of two addends is the same in either order, and halving it
+    is exact, so both reductions give the same mean gradient, and the norm and AdamW are DeepSpeed's op for op.
+    Each rank steps its own half: the fp32 partitions and the flat step's gradient slices tile the flat buffer."""
+    from vqlcmd.engine.distributed import free_port
+
+    configs = [(step, str(make_config(tmp_path / step, tiny_shards_module, fast=True, step=step, steps=3)))
+               for step in ("flat", "deepspeed")]
+    mp.spawn(_two_rank_worker, args=(free_port(), configs, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    flat, ds = ranks[0]["flat"], ranks[0]["deepspeed"]
+    assert [row["step"] for row in flat["rows"]] == [1, 2, 3]
+    assert flat["rows"] == ds["rows"]
+    assert flat["rows"][0]["loss"] != flat["rows"][-1]["loss"]
+    for rank in ranks:  # the all-gather left both ranks with the same weights, under either step
+        for step in ("flat", "deepspeed"):
+            assert all(torch.equal(a, b) for a, b in zip(rank[step]["weights"], ds["weights"])), step
+    numel = sum(w.numel() for w in ds["weights"])
+    for r, rank in enumerate(ranks):
+        size, total = rank["flat"]["partition"], rank["flat"]["flat"]
+        assert 2 * size == total >= numel and size < numel
+        assert rank["flat"]["flat_part"] == (size, r * size)  # the flat step clips and steps this rank's half
+        assert rank["deepspeed"]["partition"] == size
+
+
+def _built(tmp_path, shards, make_config, *, zero=2, bf16=False, ds_edit=None, **train):
+    """A Trainer of a fast tiny run at ZeRO ``zero``, and its log lines."""
+    logs = []
+    ds, cfg = load_config(str(make_config(tmp_path, shards, fast=True, **train)),
+                          edit_deepspeed=lambda raw: raw.update(bf16={"enabled": bf16},
+                                                                zero_optimization={"stage": zero}, **(ds_edit or {})))
+    return Trainer(ds, cfg, log=lambda line, *a, **k: logs.append(str(line))), logs
+
+
+def _step_lines(logs):
+    return [line for line in logs if line.startswith("step: ")]
+
+
+def test_train_step_flat_without_train_fast_is_refused_at_config_load(tmp_path, tiny_shards_module, make_config):
+    with pytest.raises(ConfigError, match=r"train\.step 'flat' is the fast step's \(set train\.fast true"):
+        load_config(str(make_config(tmp_path, tiny_shards_module, step="flat")))
+    load_config(str(make_config(tmp_path, tiny_shards_module, step="deepspeed")))  # (DeepSpeed's: any step)
+
+
+FP32_ACCUMULATION = {"data_types": {"grad_accum_dtype": "fp32"}}
+
+
+@pytest.mark.parametrize("zero, bf16, ds_edit, optimizer", [(0, False, None, "AdamW"),
+                                                            (1, True, FP32_ACCUMULATION, "BF16_Optimizer")],
+                         ids=["ZeRO 0 fp32", "ZeRO 1 bf16, fp32 accumulation"])
+def test_a_run_deepspeed_steps_without_zero_1_2s_optimizer_refuses_flat_and_auto_falls_back(
+        tmp_path, tiny_shards_module, make_config, zero, bf16, ds_edit, optimizer):
+    """ZeRO 0 (a plain client optimizer) and ZeRO 1 in bf16 with fp32 gradient accumulation (DeepSpeed's
+    BF16_Optimizer; with bf16 accumulation, the default, ZeRO 1 keeps its DeepSpeedZeroOptimizer) keep no flat
+    ZeRO 1/2 partition to step: "flat" is refused naming the optimizer DeepSpeed chose, "auto" takes
+    DeepSpeed's step and says why."""
+    refusal = rf"train\.step 'flat' cannot drive this run: DeepSpeed steps a {optimizer} here \(the flat step "
+    with pytest.raises(ConfigError, match=refusal + r"drives ZeRO 1/2's DeepSpeedZeroOptimizer"):
+        _built(tmp_path / "flat", tiny_shards_module, make_config, zero=zero, bf16=bf16, ds_edit=ds_edit,
+               step="flat")
+    tr, logs = _built(tmp_path / "auto", tiny_shards_module, make_config, zero=zero, bf16=bf16, ds_edit=ds_edit)
+    assert tr.stepper.flat is None
+    assert _step_lines(logs) == [f"step: DeepSpeed's engine (DeepSpeed steps a {optimizer} here (the flat step "
+                                 "drives ZeRO 1/2's DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, and "
+                                 "not stage 1 in bf16))"]
+
+
+@pytest.mark.parametrize("zero, bf16, step, flat", [(2, False, "auto", True), (2, False, "flat", True),
+                                                    (2, False, "deepspeed", False), (1, True, "auto", True)],
+                         ids=["ZeRO 2 auto", "ZeRO 2 flat", "ZeRO 2 deepspeed", "ZeRO 1 bf16 auto"])
+def test_at_zero_1_2_auto_takes_the_flat_step_and_the_log_says_which(tmp_path, tiny_shards_module, make_config,
+                                                                      zero, bf16, step, flat):
+    """ZeRO 1 in bf16 with DeepSpeed's default (bf16) gradient accumulation keeps DeepSpeedZeroOptimizer: flat."""
+    tr, logs = _built(tmp_path, tiny_shards_module, make_config, zero=zero, bf16=bf16, step=step)
+    assert (tr.stepper.flat is not None) == flat
+    (line,) = _step_lines(logs)
+    if flat:
+        assert line.startswith("step: flat (one gradient buffer, clipped and stepped on DeepSpeed's flat ZeRO")
+    else:
+        assert line == "step: DeepSpeed's engine (train.step is 'deepspeed')"
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_at_zero_1_the_flat_step_trains_as_deepspeeds_step(tmp_path, tiny_shards_module, make_config, bf16):
+    """ZeRO 1 (which ``auto`` also takes flat; test_fast_step compares at ZeRO 2): 3 steps, one rank, the same
+    losses and weights under either step, bit for bit, in fp32 and in bf16."""
+    runs = {}
+    for step in ("flat", "deepspeed"):
+        tr = _trainer(tmp_path / step, tiny_shards_module, make_config, bf16=bf16, fast=True, step=step,
+                      ds_edit={"zero_optimization": {"stage": 1}})
+        assert (tr.stepper.flat is not None) == (step == "flat")
+        batches = tr.loader.forever()
+        for _ in range(3):
+            tr.train_step(batches)
+        runs[step] = tr.stepper.flush(), [p.detach().clone() for p in tr.net.parameters()]
+    (flat_rows, flat_weights), (ds_rows, ds_weights) = runs["flat"], runs["deepspeed"]
+    assert flat_rows == ds_rows
+    assert all(torch.equal(a, b) for a, b in zip(flat_weights, ds_weights))
