@@ -121,6 +121,7 @@ class Phases:
             self._wrap(flat, "forward", "forward+loss", instance=True)
             self._wrap(flat, "backward", "backward", instance=True)
             self._wrap(flat, "update", "update, other", instance=True)
+            self._wrap(flat, "update_emas", "ema", instance=True)
         if not tr.cfg.train.compile:
             self._wrap(tr.teacher.compute, "forward", "teacher forward", instance=True)
         opt = tr.engine.optimizer

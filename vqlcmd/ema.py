@@ -27,6 +27,7 @@ class EMA:
         # say): its prediction is the student's target, and dropout there would only add noise to it.
         self.module = copy.deepcopy(module).float().eval().requires_grad_(False)
         self.compute = self.module  # what forwards run on: the shadow, or its copy in a lower precision
+        self.flat = self.compute_flat = None  # (flatten): the shadow's and the compute copy's flat buffers
 
     def keep_compute_copy(self, dtype: torch.dtype) -> None:
         """Forwards run on a ``dtype`` copy of the shadow, refreshed by every update and load (the shadow
@@ -38,8 +39,22 @@ class EMA:
         self._refresh_compute()
 
     @torch.no_grad()
-    def _refresh_compute(self) -> None:
+    def flatten(self, layout: list, size: int) -> None:
+        """The shadow's parameters named in ``layout`` ((name, offset) pairs), and the compute copy's, become
+        views of one buffer each of ``size`` elements at those offsets (same values): laid out as the trained
+        weights' flat buffer, one ``lerp_`` of the two buffers updates every one of them (``update_emas_flat``).
+        Parameters left out must be ones that never change (frozen)."""
+        self.flat = _flatten(self.module, layout, size)
         if self.compute is not self.module:
+            self.compute_flat = _flatten(self.compute, layout, size)
+
+    @torch.no_grad()
+    def _refresh_compute(self) -> None:
+        if self.compute is not self.module and self.compute_flat is not None:
+            self.compute_flat.copy_(self.flat)  # the padding between the views too: zeros both
+            for name in _buffer_names(self.module):
+                self.compute.get_buffer(name).copy_(self.module.get_buffer(name))
+        elif self.compute is not self.module:
             torch._foreach_copy_(_parameters(self.compute), _parameters(self.module))
             for name in _buffer_names(self.module):
                 self.compute.get_buffer(name).copy_(self.module.get_buffer(name))
@@ -75,6 +90,30 @@ def update_emas(emas: list, source: nn.Module) -> None:
         torch._foreach_lerp_(shadow, params, 1.0 - ema.decay)
         ema._copy_buffers(source)
         ema._refresh_compute()
+
+
+@torch.no_grad()
+def update_emas_flat(emas: list, source_flat: torch.Tensor, source: nn.Module) -> None:
+    """``update_emas`` for EMAs flattened (``EMA.flatten``) in the layout of ``source_flat``, the flat buffer the
+    source's trained parameters are views of: one cast and one ``lerp_`` per EMA over all of them (the same
+    values: lerp is elementwise)."""
+    src = source_flat if source_flat.dtype == torch.float32 else source_flat.float()
+    for ema in emas:
+        ema.flat.lerp_(src, 1.0 - ema.decay)
+        ema._copy_buffers(source)
+        ema._refresh_compute()
+
+
+def _flatten(module: nn.Module, layout: list, size: int) -> torch.Tensor:
+    params = dict(module.named_parameters())
+    first = next(iter(params.values()))
+    flat = torch.zeros(size, dtype=first.dtype, device=first.device)
+    for name, offset in layout:
+        p = params[name]
+        view = flat[offset:offset + p.numel()].view_as(p)
+        view.copy_(p)
+        p.data = view
+    return flat
 
 
 def _as_float32(params: list) -> list:

@@ -167,8 +167,8 @@ def test_a_run_deepspeed_steps_without_zero_1_2s_optimizer_refuses_flat_and_auto
     tr, logs = _built(tmp_path / "auto", tiny_shards_module, make_config, zero=zero, bf16=bf16, ds_edit=ds_edit)
     assert tr.stepper.flat is None
     assert _step_lines(logs) == [f"step: DeepSpeed's engine (DeepSpeed steps a {optimizer} here (the flat step "
-                                 "drives ZeRO 1/2's DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, and "
-                                 "not stage 1 in bf16))"]
+                                 "drives ZeRO 1/2's DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, not "
+                                 "stage 1 in bf16 with data_types.grad_accum_dtype fp32))"]
 
 
 @pytest.mark.parametrize("zero, bf16, step, flat", [(2, False, "auto", True), (2, False, "flat", True),

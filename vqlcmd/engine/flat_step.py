@@ -27,11 +27,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..ema import update_emas_flat
+
 
 class _HooklessForward(torch.nn.Module):
+    """The loss module's forward without its hooks, and (``teacher``) the teacher's forward module beside it,
+    so that one ``functional_call`` gives both their weights."""
+
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.inner = module
+        self.teacher: Optional[torch.nn.Module] = None
 
     def forward(self, *args, **kwargs):
         return self.inner.forward(*args, **kwargs)
@@ -44,7 +50,7 @@ def flat_step_refusal(engine) -> Optional[str]:
     opt = engine.optimizer
     if not isinstance(opt, DeepSpeedZeroOptimizer):
         return (f"DeepSpeed steps a {type(opt).__name__} here (the flat step drives ZeRO 1/2's "
-                "DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, and not stage 1 in bf16)")
+                "DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, not stage 1 in bf16 with data_types.grad_accum_dtype fp32)")
     if getattr(opt, "cpu_offload", False):
         return "zero_optimization.offload_optimizer is set"
     if engine.fp16_enabled():
@@ -113,6 +119,23 @@ class FlatStep:
             loss = torch.compile(loss, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
         self.loss = loss
 
+    def flatten_emas(self, emas: list, prefix: str = "inner.net.") -> None:
+        """Lay the EMAs of the module's ``net`` out as its flat weights (one group), so that ``update_emas``
+        is one cast and one ``lerp_`` per EMA, not one per parameter."""
+        (leaf, sizes, pieces), = self.groups  # (several groups would need a buffer per group)
+        starts = [sum(sizes[:index]) for _, index, _ in pieces]
+        layout = [(name[len(prefix):], start) for (name, _, _), start in zip(pieces, starts)]
+        for ema in emas:
+            ema.flatten(layout, leaf.numel())
+        self.emas = emas
+        teacher = getattr(self.module, "teacher", None)
+        if teacher in emas and teacher.flat is not None:
+            self._forward.teacher = teacher.compute
+            self.leaves = self.leaves + [teacher.compute_flat if teacher.compute_flat is not None else teacher.flat]
+
+    def update_emas(self) -> None:
+        update_emas_flat(self.emas, self.groups[0][0].detach(), self.module.net)
+
     def _rank_world(self):
         group = self.opt.real_dp_process_group[0]
         if not dist.is_initialized():
@@ -125,6 +148,11 @@ class FlatStep:
             chunks = leaf.split(sizes)
             for name, index, shape in pieces:
                 params[name] = chunks[index].view(shape)
+        if len(leaves) > len(self.groups):  # the teacher's flat weights: one graph input, not one per weight
+            (_, sizes, pieces), = self.groups
+            chunks = leaves[-1].split(sizes)
+            for name, index, shape in pieces:
+                params["teacher." + name[len("inner.net."):]] = chunks[index].view(shape)
         return torch.func.functional_call(self._forward, params, (tokens, labels), kwargs, strict=False)
 
     def micro_step(self, tokens, labels, kwargs: dict, micro: int, gas: int) -> dict:
@@ -139,7 +167,7 @@ class FlatStep:
         return self.loss(self.leaves, tokens, labels, kwargs)
 
     def backward(self, loss: torch.Tensor, micro: int, gas: int) -> None:
-        grads = torch.autograd.grad(loss / gas if gas > 1 else loss, self.leaves)
+        grads = torch.autograd.grad(loss / gas if gas > 1 else loss, self.leaves[:len(self.grads)])
         for acc, grad in zip(self.grads, grads):
             if micro == 0:
                 acc.copy_(grad)

@@ -48,6 +48,8 @@ class TrainStep:
         # that takes the gradients and the update from DeepSpeed's engine (engine/flat_step.py)
         self.engine, self.emas, self.streams, self.device, self.gas = engine, emas, streams, device, gas
         self.flat = flat
+        if flat is not None:
+            flat.flatten_emas(emas)
         self.deferred, self.log = deferred, log
         self.stop_requested, self.checkpoint_words = stop_requested, checkpoint_words
         self.net = engine.module.net
@@ -117,7 +119,7 @@ class TrainStep:
                 values = torch.stack([out[k].detach().float().reshape(()) for k in names]) / self.gas
                 acc = values if acc is None else acc + values
         self.bad_grads = self.bad_grads | ~torch.isfinite(self.flat.update())
-        update_emas(self.emas, self.net)
+        self.flat.update_emas()
         self.pending.append((step, names, acc))
         return dict(zip(names, acc.unbind()))
 
