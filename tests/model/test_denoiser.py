@@ -1,5 +1,6 @@
 import pytest
 import torch
+from says_cuda import SaysCuda
 
 from vqlcmd.model import PAPER_PARAMETERS, PRESETS, Denoiser, build_denoiser, num_parameters, preset_config
 from vqlcmd.model.attention import attention, attention_backend_for, math_attention
@@ -128,18 +129,6 @@ def test_adaln_is_the_modulated_layernorm(gen):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
-class _SaysCuda(torch.Tensor):
-    """A CPU tensor that reports CUDA: enough for attention's dispatch decision."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-
 @pytest.mark.parametrize("capability, head_dim, expected", [((9, 0), 64, "flash2"), ((9, 0), 512, "sdpa"),
                                                            ((8, 6), 128, "flash2"), ((7, 5), 64, "sdpa"),
                                                            ((9, 0), 20, "flash2")])
@@ -151,7 +140,7 @@ def test_auto_attention_takes_flash_only_where_it_runs(monkeypatch, capability, 
     monkeypatch.setattr(attn, "_fa3_func", None)
     monkeypatch.setattr(attn, "_fa2_func", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
-    q = torch.randn(1, 2, 8, head_dim).to(torch.float16).as_subclass(_SaysCuda)
+    q = torch.randn(1, 2, 8, head_dim).to(torch.float16).as_subclass(SaysCuda)
     assert attn.attention_backend_for(q, 0.0) == expected
     monkeypatch.setattr(attn, "_fa3_func", lambda *a, **k: None)
     # FA3 also refuses head dims that are not a multiple of 8, which FA2 pads

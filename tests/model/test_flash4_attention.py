@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from says_cuda import SaysCuda
 import torch.nn.functional as F
 
 attn = importlib.import_module("vqlcmd.model.attention")  # the module (the package exports the function)
@@ -41,7 +42,7 @@ def test_flash4_is_a_backend_auto_does_not_take(monkeypatch):
     assert "flash4" in attn.ATTENTION_BACKENDS
     assert DenoiserConfig(attention_backend="flash4").attention_backend == "flash4"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    q = torch.randn(1, 16, 8, 48).to(torch.bfloat16).as_subclass(_SaysCuda)
+    q = torch.randn(1, 16, 8, 48).to(torch.bfloat16).as_subclass(SaysCuda)
     assert attn.attention_backend_for(q, 0.0) != "flash4"
 
 
@@ -130,20 +131,8 @@ def test_the_log_names_what_trains(fake_fa4):
     assert words.startswith("sdpa/")
 
 
-class _SaysCuda(torch.Tensor):
-    """A CPU tensor that reports CUDA: enough for the backend's checks."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-
 def _cuda_like(*shape, dtype=torch.bfloat16):
-    return torch.zeros(*shape).to(dtype).as_subclass(_SaysCuda)
+    return torch.zeros(*shape).to(dtype).as_subclass(SaysCuda)
 
 
 @pytest.mark.parametrize("capability, hd, dtype, message", [

@@ -50,7 +50,8 @@ def flat_step_refusal(engine) -> Optional[str]:
     opt = engine.optimizer
     if not isinstance(opt, DeepSpeedZeroOptimizer):
         return (f"DeepSpeed steps a {type(opt).__name__} here (the flat step drives ZeRO 1/2's "
-                "DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, not stage 1 in bf16 with data_types.grad_accum_dtype fp32)")
+                "DeepSpeedZeroOptimizer: zero_optimization.stage 1 or 2, not stage 1 in bf16 with "
+                "data_types.grad_accum_dtype fp32)")
     if getattr(opt, "cpu_offload", False):
         return "zero_optimization.offload_optimizer is set"
     if engine.fp16_enabled():
