@@ -148,8 +148,9 @@ def test_a_non_finite_loss_is_caught_at_the_next_flush_before_any_checkpoint(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("step", ["flat", "deepspeed"])
 def test_the_compiled_fast_step_trains_as_the_eager_step_without_host_reads(tmp_path, tiny_shards, make_config,
-                                                                           monkeypatch):
+                                                                           monkeypatch, step):
     """train.compile with train.fast: student forward+backward, teacher forward and the fused ops compiled (the
     generator's draws eager), the same losses and updates as the default eager step to float32 rounding, and
     after the compiling first step no host read inside steps. Attention dropout off: inductor draws its own
@@ -157,7 +158,8 @@ def test_the_compiled_fast_step_trains_as_the_eager_step_without_host_reads(tmp_
     most of it compiling."""
     off = {"attn_dropout": 0.0}
     ref = _trainer(tmp_path / "default", tiny_shards, make_config, model=off)
-    tr = _trainer(tmp_path / "fast", tiny_shards, make_config, model=off, fast=True, compile=True)
+    tr = _trainer(tmp_path / "fast", tiny_shards, make_config, model=off, fast=True, compile=True, step=step)
+    assert (tr.stepper.flat is not None) == (step == "flat")
     ref_batches, batches = ref.loader.forever(), tr.loader.forever()
     want = [ref.train_step(ref_batches) for _ in range(3)]
     got = [tr.train_step(batches)]  # compiles
