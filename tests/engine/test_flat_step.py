@@ -202,3 +202,30 @@ def test_at_zero_1_the_flat_step_trains_as_deepspeeds_step(tmp_path, tiny_shards
     (flat_rows, flat_weights), (ds_rows, ds_weights) = runs["flat"], runs["deepspeed"]
     assert flat_rows == ds_rows
     assert all(torch.equal(a, b) for a, b in zip(flat_weights, ds_weights))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graphs_are_off_without_cuda_and_say_why(tmp_path, tiny_shards_module, make_config, monkeypatch,
+                                                      compiled):
+    """train.cuda_graphs asks for torch.compile's "reduce-overhead" mode on the flat step's loss; on a CPU (or
+    without train.compile) the run warns that there are no CUDA graphs and compiles (or not) as without it."""
+    import vqlcmd.engine.flat_step as flat_step
+
+    modes = []
+    compile_ = flat_step.torch.compile
+
+    def spy(fn, **kw):  # the flat loss's compile only (torch.compile is one function for all its callers)
+        if getattr(fn, "__name__", "") == "_loss_of_leaves":
+            modes.append(kw.get("mode"))
+            assert kw.get("dynamic") is False
+        return compile_(fn, **kw)
+
+    monkeypatch.setattr(flat_step.torch, "compile", spy)
+    tr, logs = _built(tmp_path, tiny_shards_module, make_config, compile=compiled, cuda_graphs=True)
+    assert tr.stepper.flat is not None
+    assert modes == ([None] if compiled else [])
+    said = "train.compile is off" if not compiled else "the device is cpu"
+    assert any(line.startswith("warning: train.cuda_graphs is on but") and said in line for line in logs), logs
+    assert _step_lines(logs) == ["step: flat (one gradient buffer, clipped and stepped on DeepSpeed's flat ZeRO "
+                                 "buffers)"]
+
