@@ -50,14 +50,14 @@ class EMA:
 
     @torch.no_grad()
     def _refresh_compute(self) -> None:
-        if self.compute is not self.module and self.compute_flat is not None:
+        if self.compute is self.module:
+            return
+        if self.compute_flat is not None:
             self.compute_flat.copy_(self.flat)  # the padding between the views too: zeros both
-            for name in _buffer_names(self.module):
-                self.compute.get_buffer(name).copy_(self.module.get_buffer(name))
-        elif self.compute is not self.module:
+        else:
             torch._foreach_copy_(_parameters(self.compute), _parameters(self.module))
-            for name in _buffer_names(self.module):
-                self.compute.get_buffer(name).copy_(self.module.get_buffer(name))
+        for name in _buffer_names(self.module):
+            self.compute.get_buffer(name).copy_(self.module.get_buffer(name))
 
     def update(self, source: nn.Module) -> None:
         update_emas([self], source)

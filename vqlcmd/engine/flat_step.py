@@ -78,7 +78,7 @@ class FlatStep:
         self.rank, self.world = self._rank_world()
         names = {id(p): "inner." + n for n, p in self.module.named_parameters()}
         # per parameter group: (leaf aliasing the flat weights, the split sizes that tile it, [(name, piece
-        # index, shape)]). Split, not sliced: split's backward is one concatenation of the pieces' gradients,
+        # index, shape, offset)]). Split, not sliced: split's backward is one concatenation of the pieces' gradients,
         # where each slice's is a scatter into a zero buffer the flat buffer's size (300 of them: ~0.4 s a step
         # of imagenet-246m's structure at width 64 on a CPU)
         self.groups = []
@@ -92,7 +92,7 @@ class FlatStep:
                     raise ValueError(f"parameter {names[id(p)]} is not a view of DeepSpeed's flat buffer")
                 if offset > end:  # alignment padding between two parameters
                     sizes.append(offset - end)
-                pieces.append((names[id(p)], len(sizes), p.shape))
+                pieces.append((names[id(p)], len(sizes), p.shape, offset))
                 sizes.append(p.numel())
                 end = offset + p.numel()
             if flat.numel() > end:
@@ -109,9 +109,8 @@ class FlatStep:
             size = int(self.opt.partition_size[i])
             lo, hi = self.rank * size, (self.rank + 1) * size
             self.parts.append(acc[lo:hi])
-            starts = [sum(sizes[:index]) for _, index, _ in pieces]
             self.pieces += [acc[max(a, lo):min(a + shape.numel(), hi)]
-                            for a, (_, _, shape) in zip(starts, pieces) if a < hi and a + shape.numel() > lo]
+                            for _, _, shape, a in pieces if a < hi and a + shape.numel() > lo]
         self.norm: Optional[torch.Tensor] = None
         loss = self._loss_of_leaves
         if compile_loss:
@@ -123,9 +122,8 @@ class FlatStep:
     def flatten_emas(self, emas: list, prefix: str = "inner.net.") -> None:
         """Lay the EMAs of the module's ``net`` out as its flat weights (one group), so that ``update_emas``
         is one cast and one ``lerp_`` per EMA, not one per parameter."""
-        (leaf, sizes, pieces), = self.groups  # (several groups would need a buffer per group)
-        starts = [sum(sizes[:index]) for _, index, _ in pieces]
-        layout = [(name[len(prefix):], start) for (name, _, _), start in zip(pieces, starts)]
+        (leaf, _, pieces), = self.groups  # (several groups would need a buffer per group)
+        layout = [(name[len(prefix):], offset) for name, _, _, offset in pieces]
         for ema in emas:
             ema.flatten(layout, leaf.numel())
         self.emas = emas
@@ -147,12 +145,12 @@ class FlatStep:
         params = {}
         for leaf, (_, sizes, pieces) in zip(leaves, self.groups):
             chunks = leaf.split(sizes)
-            for name, index, shape in pieces:
+            for name, index, shape, _ in pieces:
                 params[name] = chunks[index].view(shape)
         if len(leaves) > len(self.groups):  # the teacher's flat weights: one graph input, not one per weight
             (_, sizes, pieces), = self.groups
             chunks = leaves[-1].split(sizes)
-            for name, index, shape in pieces:
+            for name, index, shape, _ in pieces:
                 params["teacher." + name[len("inner.net."):]] = chunks[index].view(shape)
         return torch.func.functional_call(self._forward, params, (tokens, labels), kwargs, strict=False)
 

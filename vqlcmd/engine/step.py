@@ -73,8 +73,7 @@ class TrainStep:
                     out = self.engine(tokens, labels, generator)
                 names = list(out)
                 if self.deferred:
-                    values = torch.stack([out[k].detach().float().reshape(()) for k in names]) / self.gas
-                    acc = values if acc is None else acc + values
+                    acc = self._accumulate(acc, out)
                 else:
                     for k, v in self.read_terms(out, step).items():
                         terms[k] = terms.get(k, 0.0) + v / self.gas
@@ -95,8 +94,7 @@ class TrainStep:
         update_emas(self.emas, self.net)
         if not self.deferred:
             return terms
-        self.pending.append((step, names, acc))
-        return dict(zip(names, acc.unbind()))
+        return self._park(step, names, acc)
 
     def _next(self, batches):
         tokens, labels = next(batches)
@@ -115,11 +113,18 @@ class TrainStep:
                     draws = module.draw(tokens, labels, generator)
                     out = self.flat.micro_step(tokens, labels, {"generator": generator} if draws is None
                                                else {"draws": draws}, micro, self.gas)
-                names = list(out)
-                values = torch.stack([out[k].detach().float().reshape(()) for k in names]) / self.gas
-                acc = values if acc is None else acc + values
+                names, acc = list(out), self._accumulate(acc, out)
         self.bad_grads = self.bad_grads | ~torch.isfinite(self.flat.update())
         self.flat.update_emas()
+        return self._park(step, names, acc)
+
+    def _accumulate(self, acc, out: dict) -> torch.Tensor:
+        """Deferred: the step's terms so far plus this micro-step's (its share, 1/gas), on the device."""
+        values = torch.stack([v.detach().float().reshape(()) for v in out.values()]) / self.gas
+        return values if acc is None else acc + values
+
+    def _park(self, step: int, names: list, acc: torch.Tensor) -> dict:
+        """Deferred: the step's terms wait in ``pending`` for the flush; returned unread."""
         self.pending.append((step, names, acc))
         return dict(zip(names, acc.unbind()))
 
