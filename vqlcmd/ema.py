@@ -93,11 +93,16 @@ def update_emas(emas: list, source: nn.Module) -> None:
 
 
 @torch.no_grad()
-def update_emas_flat(emas: list, source_flat: torch.Tensor, source: nn.Module) -> None:
+def update_emas_flat(emas: list, source_flat: torch.Tensor, source: nn.Module,
+                     scratch: "torch.Tensor | None" = None) -> None:
     """``update_emas`` for EMAs flattened (``EMA.flatten``) in the layout of ``source_flat``, the flat buffer the
     source's trained parameters are views of: one cast and one ``lerp_`` per EMA over all of them (the same
-    values: lerp is elementwise)."""
-    src = source_flat if source_flat.dtype == torch.float32 else source_flat.float()
+    values: lerp is elementwise). ``scratch``: a float32 buffer of its size that a 16-bit source is cast into,
+    so that a step allocates nothing (a fresh buffer of a few MB costs its page faults each time on a CPU)."""
+    if source_flat.dtype == torch.float32:
+        src = source_flat
+    else:
+        src = scratch.copy_(source_flat) if scratch is not None else source_flat.float()
     for ema in emas:
         ema.flat.lerp_(src, 1.0 - ema.decay)
         ema._copy_buffers(source)

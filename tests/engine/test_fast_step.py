@@ -47,7 +47,7 @@ def _compare(tmp_path, shards, make_config, steps, rtol, atol, bf16=False, model
                          ids=["one micro-step", "accumulation"])
 def test_the_fast_step_trains_as_the_default_step(tmp_path, tiny_shards, make_config, ds_edit, step):
     """fp32: the same draws, losses (averaged over micro-steps) and updates, to rounding, through DeepSpeed's
-    engine step or the flat step (whose gradient norm is DeepSpeed's op for op: the k-part of the qkv bias has
+    engine step or the flat step (whose gradient norm is DeepSpeed's to the fp32 bit: the k-part of the qkv bias has
     a gradient of pure rounding noise, which AdamW scales up to a fraction of the rate, so any other rounding
     of the clipping factor moves those weights by ~1e-4)."""
     tr = _compare(tmp_path, tiny_shards, make_config, 3, rtol=1e-5, atol=1e-6, ds_edit=ds_edit, step=step)

@@ -63,7 +63,7 @@ def test_a_checkpoint_of_either_step_resumes_under_the_other(tmp_path, tiny_shar
                                                               uninterrupted, first, then):
     """The flat step writes DeepSpeed's checkpoint from DeepSpeed's own buffers (weights, fp32 partition, AdamW
     moments, step counters, rate schedule): resumed under the other step, steps 3-4 are the uninterrupted runs'
-    of either step bit for bit, fp32 (the flat step's norm and update are DeepSpeed's op for op)."""
+    of either step bit for bit, fp32 (the flat step's norm is DeepSpeed's to the fp32 bit, its update DeepSpeed's own)."""
     got = _resumed(tmp_path, tiny_shards_module, make_config, first, then)
     _assert_exact(got, uninterrupted(make_config, then, "one micro-step"))
     _assert_exact(got, uninterrupted(make_config, first, "one micro-step"))
@@ -106,7 +106,7 @@ def test_the_flat_step_on_two_ranks_trains_as_deepspeeds_zero2_step(tmp_path, ti
     world size, each rank clipping and stepping its half of DeepSpeed's fp32 partition, then all-gathered)
     against DeepSpeed's (bucketed reduce-scatter into the same partitions). The losses averaged over ranks and
     the final weights are equal bit for bit: a sum of two addends is the same in either order, and halving it
-    is exact, so both reductions give the same mean gradient, and the norm and AdamW are DeepSpeed's op for op.
+    is exact, so both reductions give the same mean gradient, and the norm (to the fp32 bit) and AdamW are DeepSpeed's.
     Each rank steps its own half: the fp32 partitions and the flat step's gradient slices tile the flat buffer."""
     from vqlcmd.engine.distributed import free_port
 
@@ -229,3 +229,51 @@ def test_cuda_graphs_are_off_without_cuda_and_say_why(tmp_path, tiny_shards_modu
     assert _step_lines(logs) == ["step: flat (one gradient buffer, clipped and stepped on DeepSpeed's flat ZeRO "
                                  "buffers)"]
 
+
+
+def _loss_trainer(tmp_path, shards, make_config, p_drop, **train):
+    """A tiny fast flat run (no attention dropout: inductor draws its own) with ``loss.p_drop`` = ``p_drop``."""
+    def edit(section):
+        section["model"] = {**section.get("model", {}), "overrides": {"attn_dropout": 0.0}}
+        section["loss"] = {**section.get("loss", {}), "p_drop": p_drop}
+
+    ds, cfg = load_config(str(make_config(tmp_path, shards, fast=True, step="flat", **train)), edit=edit)
+    tr = Trainer(ds, cfg, log=lambda *a, **k: None)
+    assert tr.stepper.flat is not None
+    return tr
+
+
+@pytest.mark.slow
+def test_two_compiled_flat_steps_in_one_process_each_run_their_own_graph(tmp_path, tiny_shards_module, make_config):
+    """The compiled loss checks only the guards on its inputs, the modules' train/eval flags and the step's serial
+    (flat_step._guards_kept), and Dynamo's cache is the code's, shared by every FlatStep: a second run in the
+    same process whose loss differs only in a constant the graph bakes in (loss.p_drop 0.1 and 0.9) still gets
+    its own graph, its losses its own eager step's, not the first run's."""
+    runs = {name: _loss_trainer(tmp_path / name.replace(" ", "-"), tiny_shards_module, make_config, p_drop,
+                                compile=compiled)
+            for name, p_drop, compiled in (("a", 0.1, True), ("b", 0.9, True), ("a eager", 0.1, False),
+                                           ("b eager", 0.9, False))}
+    batches = {name: tr.loader.forever() for name, tr in runs.items()}
+    losses = {name: [] for name in runs}
+    for _ in range(2):  # interleaved, all alive: a dead run's graphs leave the cache with it
+        for name, tr in runs.items():
+            losses[name].append(float(tr.train_step(batches[name])["loss"]))
+    assert losses["a"] == pytest.approx(losses["a eager"], rel=1e-4, abs=1e-5)
+    assert losses["b"] == pytest.approx(losses["b eager"], rel=1e-4, abs=1e-5)
+    assert losses["a eager"] != pytest.approx(losses["b eager"], rel=1e-3)  # one graph for both would fail
+
+
+def test_the_compiled_loss_keeps_the_guards_on_its_inputs_train_flags_and_serial_only():
+    """_guards_kept: a guard on what the loss reads through the FlatStep (``self.``...) is dropped unless it is a
+    module's ``training`` flag or the step's serial; guards on the inputs and globals stay."""
+    from types import SimpleNamespace
+
+    from vqlcmd.engine.flat_step import _guards_kept
+
+    names = {"leaves[0]": True, "tokens": True, "kwargs['draws'][0]": True, "G['torch'].float32": True,
+             "self.serial": True, "self._forward._modules['inner'].training": True,
+             "self._forward._modules['inner']._modules['net']._modules['denoiser'].training": True,
+             "self.groups[0][2][11][1]": False, "self._forward._modules['inner'].cfg.loss.p_drop": False,
+             "self._forward._modules['teacher']._parameters['weight']": False}
+    got = _guards_kept([SimpleNamespace(name=n) for n in names])
+    assert dict(zip(names, got)) == names

@@ -17,6 +17,7 @@ def test_the_optimizer_takes_the_configs_hyper_parameters_and_trainable_paramete
     (group,) = opt.param_groups
     assert group["params"] == [trained]
     assert (group["lr"], tuple(group["betas"]), group["weight_decay"], group["eps"]) == (2e-3, (0.8, 0.95), 0.05, 1e-6)
+    assert group["fused"] is True  # on a CPU too: one pass, no intermediates written out
     # one step against the AdamW formula in float64: decoupled decay, bias-corrected moments
     g = torch.tensor([0.5, -2.0, 1e-3], dtype=torch.float64)
     trained.grad = g.float()

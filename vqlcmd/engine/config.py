@@ -176,7 +176,7 @@ class OptimizerSection:
     eps: float = 1e-8
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    # "torch": torch.optim.AdamW (fused on CUDA, foreach on CPU); "apex": apex FusedAdam (optional install)
+    # "torch": torch.optim.AdamW (fused, on CUDA and CPU); "apex": apex FusedAdam (optional install)
     impl: str = "torch"
 
     def __post_init__(self):

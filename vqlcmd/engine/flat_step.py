@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -41,6 +43,19 @@ class _HooklessForward(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.inner.forward(*args, **kwargs)
+
+
+def _guards_kept(entries) -> list:
+    """Which of Dynamo's guards on the compiled loss stay checked before every call: those on its inputs (the
+    leaves, the batch, the draws), on global state (grad mode, autocast, the ops' backends), the modules'
+    train/eval flags and the step's serial number. Dropped: the ~12,000 on what the loss reads through the
+    FlatStep (its fixed layout of 300 pieces, the module tree, the parameters that ``functional_call`` swaps
+    out, the config), which a run never changes while it holds the step: checking them took ~2 ms of host
+    time a step (``benchmarks/host_overhead.py``). Dynamo's cache is the code's, shared by every FlatStep in
+    the process, so the serial (an int read in the loss, specialised as the compile is static) is what keeps
+    two steps' graphs apart once the rest is not guarded."""
+    return [not e.name.startswith("self.") or e.name in ("self.serial",) or e.name.endswith(".training")
+            for e in entries]
 
 
 def flat_step_refusal(engine) -> Optional[str]:
@@ -63,6 +78,22 @@ def flat_step_refusal(engine) -> Optional[str]:
     return None
 
 
+_SERIALS = itertools.count()
+
+
+def _square_sum(parts: list) -> torch.Tensor:
+    """The sum of the squares of the tensors' elements, accumulated in fp64, as fp32."""
+    total = None
+    for part in parts:
+        if torch.compiler.is_compiling():
+            square = part.double().square().sum()
+        else:
+            wide = part.double()
+            square = torch.dot(wide, wide)
+        total = square if total is None else total + square
+    return total.float()
+
+
 class FlatStep:
     """Gradients and update of one run on ``engine``'s flat buffers, with the engine's module (the loss) as the
     forward: ``module(tokens, labels, draws=...)`` (or ``generator=``, for a loss that draws inside)."""
@@ -72,6 +103,7 @@ class FlatStep:
         if reason:
             raise ValueError(f"the flat step cannot drive this run: {reason}")
         self.engine, self.opt, self.module = engine, engine.optimizer, engine.module
+        self.serial = next(_SERIALS)
         # the module's forward without its call hooks: DeepSpeed's (timers, micro-step bookkeeping) read engine
         # counters that change every step, which Dynamo would guard on and recompile for
         self._forward = _HooklessForward(self.module)
@@ -101,22 +133,26 @@ class FlatStep:
         self.leaves = [leaf for leaf, _, _ in self.groups]
         # fp32 sums of the micro-steps' gradients, the flat buffers' layout (padding included)
         self.grads = [torch.zeros(leaf.numel(), dtype=torch.float32, device=leaf.device) for leaf in self.leaves]
-        # this rank's partition of each, and its pieces of the parameters: DeepSpeed's norm is the root of the
-        # summed squares of one fp64 norm per piece, and the flat step's is the same number (one multi-tensor
-        # norm over views made once), so that clipping, and AdamW after it, see the gradients DeepSpeed's do
-        self.parts, self.pieces = [], []
-        for i, (acc, (_, sizes, pieces)) in enumerate(zip(self.grads, self.groups)):
+        # this rank's partition of each (its padding's gradients are zeros)
+        self.parts = []
+        for i, acc in enumerate(self.grads):
             size = int(self.opt.partition_size[i])
-            lo, hi = self.rank * size, (self.rank + 1) * size
-            self.parts.append(acc[lo:hi])
-            self.pieces += [acc[max(a, lo):min(a + shape.numel(), hi)]
-                            for _, _, shape, a in pieces if a < hi and a + shape.numel() > lo]
+            self.parts.append(acc[self.rank * size:(self.rank + 1) * size])
+        # the global norm's square as one fp64 reduction over each partition, compiled with the loss into one
+        # pass (eager: a cast and a dot). DeepSpeed sums the squares of one fp64 norm per parameter: the same
+        # fp64 number to ~1e-15, so the fp32 norm it is rounded to, the clipping factor and AdamW after it are
+        # DeepSpeed's bit for bit (save a ~1e-8 chance of the rounding falling the other way). A norm in fp32
+        # would not do: AdamW scales the rounding noise of the qkv bias's zero k-part gradient up to a fraction
+        # of the rate, so any other rounding of the clipping factor moves those weights by ~1e-4.
+        self._square_sum = torch.compile(_square_sum, dynamic=False) if compile_loss else _square_sum
         self.norm: Optional[torch.Tensor] = None
+        self._ema_source: Optional[torch.Tensor] = None  # (update_emas) the 16-bit weights cast to fp32
         loss = self._loss_of_leaves
         if compile_loss:
             # one graph per micro-step shape: the draws are inputs, not generator calls; "reduce-overhead"
             # captures it in CUDA graphs (static shapes: dynamic=False)
-            loss = torch.compile(loss, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+            loss = torch.compile(loss, dynamic=False, mode="reduce-overhead" if cuda_graphs else None,
+                                 options={"guard_filter_fn": _guards_kept})
         self.loss = loss
 
     def flatten_emas(self, emas: list, prefix: str = "inner.net.") -> None:
@@ -133,7 +169,10 @@ class FlatStep:
             self.leaves = self.leaves + [teacher.compute_flat if teacher.compute_flat is not None else teacher.flat]
 
     def update_emas(self) -> None:
-        update_emas_flat(self.emas, self.groups[0][0].detach(), self.module.net)
+        leaf = self.groups[0][0]
+        if leaf.dtype != torch.float32 and self._ema_source is None:
+            self._ema_source = torch.empty(leaf.shape, dtype=torch.float32, device=leaf.device)
+        update_emas_flat(self.emas, leaf.detach(), self.module.net, scratch=self._ema_source)
 
     def _rank_world(self):
         group = self.opt.real_dp_process_group[0]
@@ -142,6 +181,8 @@ class FlatStep:
         return dist.get_rank(group=group), dist.get_world_size(group=group)
 
     def _loss_of_leaves(self, leaves, tokens, labels, kwargs):
+        if self.serial < 0:  # never: the read is the guard that ties a compiled graph to this step (_guards_kept)
+            raise AssertionError("a FlatStep's serial is never negative")
         params = {}
         for leaf, (_, sizes, pieces) in zip(leaves, self.groups):
             chunks = leaf.split(sizes)
@@ -182,8 +223,8 @@ class FlatStep:
             for i, acc in enumerate(self.grads):
                 dist.all_reduce(acc, group=opt.real_dp_process_group[i])
                 acc.div_(self.world)
-        # DeepSpeed's scaled_global_norm, op for op (get_grad_norm_direct, combine_grad_norm_groups)
-        square = torch.stack(torch._foreach_norm(self.pieces, 2, dtype=torch.float64)).pow(2).sum().float()
+        # DeepSpeed's scaled_global_norm (get_grad_norm_direct, combine_grad_norm_groups), to the fp32 bit
+        square = self._square_sum(parts)
         if self.world > 1:
             dist.all_reduce(square, group=opt.dp_process_group)
         norm = square.pow(1.0 / 2)
