@@ -102,8 +102,9 @@ def _two_rank_worker(rank, port, configs, out):
 
 
 def test_the_flat_step_on_two_ranks_trains_as_deepspeeds_zero2_step(tmp_path, tiny_shards_module, make_config):
-    """Two gloo ranks, ZeRO 2, fp32, 3 steps: the flat step (the full fp32 gradient all-reduced, divided by the
-    world size, each rank clipping and stepping its half of DeepSpeed's fp32 partition, then all-gathered)
+    """Two gloo ranks, ZeRO 2, fp32, 3 steps: the flat step (the full fp32 gradient reduce-scattered in place,
+    each rank's half divided by the world size, clipped and stepped as DeepSpeed's fp32 partition, then the flat
+    16-bit buffer all-gathered in place)
     against DeepSpeed's (bucketed reduce-scatter into the same partitions). The losses averaged over ranks and
     the final weights are equal bit for bit: a sum of two addends is the same in either order, and halving it
     is exact, so both reductions give the same mean gradient, and the norm (to the fp32 bit) and AdamW are DeepSpeed's.

@@ -10,7 +10,8 @@ DeepSpeed's buffers, optimizer, scheduler and checkpoint format, and does the re
 1. the loss is a function of one leaf tensor aliasing the flat weights: each parameter is a view of it inside
    the (compiled) loss (``torch.func.functional_call``), so the backward yields one flat gradient, and none
    of DeepSpeed's hooks (on the parameters) fire;
-2. that gradient is summed over micro-steps into one fp32 buffer, averaged over ranks in one all-reduce, and
+2. that gradient is summed over micro-steps into one fp32 buffer, reduce-scattered over the ranks (each
+   receives the mean of its own partition, as under ZeRO 2), and
    this rank's partition is clipped by the global norm on the device (one norm, no read);
 3. DeepSpeed's inner optimizer steps its fp32 partition, which is copied into the 16-bit partition and
    all-gathered, as DeepSpeed's ``step`` does; the engine's counters and rate schedule move as in
@@ -81,6 +82,11 @@ def flat_step_refusal(engine) -> Optional[str]:
 _SERIALS = itertools.count()
 
 
+# torch 2.14 names them *_single and deprecates the *_tensor names older releases have
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _square_sum(parts: list) -> torch.Tensor:
     """The sum of the squares of the tensors' elements, accumulated in fp64, as fp32."""
     total = None
@@ -133,10 +139,14 @@ class FlatStep:
         self.leaves = [leaf for leaf, _, _ in self.groups]
         # fp32 sums of the micro-steps' gradients, the flat buffers' layout (padding included)
         self.grads = [torch.zeros(leaf.numel(), dtype=torch.float32, device=leaf.device) for leaf in self.leaves]
-        # this rank's partition of each (its padding's gradients are zeros)
+        # this rank's partition of each (its padding's gradients are zeros): DeepSpeed pads the flat buffer to
+        # equal partitions, each rank's the slice at rank x size, which the reductions rely on
         self.parts = []
         for i, acc in enumerate(self.grads):
             size = int(self.opt.partition_size[i])
+            if acc.numel() != size * self.world:
+                raise ValueError(f"DeepSpeed's flat buffer {i} ({acc.numel()} elements) is not {self.world} "
+                                 f"partitions of {size}")
             self.parts.append(acc[self.rank * size:(self.rank + 1) * size])
         # the global norm's square as one fp64 reduction over each partition, compiled with the loss into one
         # pass (eager: a cast and a dot). DeepSpeed sums the squares of one fp64 norm per parameter: the same
@@ -219,10 +229,10 @@ class FlatStep:
         """Average over ranks, clip by the global norm, step AdamW, gather the weights; the engine's counters.
         Returns the gradient norm before clipping (a device tensor), as DeepSpeed's ``_global_grad_norm``."""
         opt, engine, parts = self.opt, self.engine, self.parts
-        if self.world > 1:
-            for i, acc in enumerate(self.grads):
-                dist.all_reduce(acc, group=opt.real_dp_process_group[i])
-                acc.div_(self.world)
+        if self.world > 1:  # ZeRO 2's reduction: each rank receives the sum of its own partition only
+            for i, (acc, part) in enumerate(zip(self.grads, parts)):
+                _reduce_scatter(part, acc, group=opt.real_dp_process_group[i])  # in place: part is acc's slice
+                part.div_(self.world)
         # DeepSpeed's scaled_global_norm (get_grad_norm_direct, combine_grad_norm_groups), to the fp32 bit
         square = self._square_sum(parts)
         if self.world > 1:
@@ -238,10 +248,9 @@ class FlatStep:
             opt._optimizer_step(i)  # DeepSpeed's inner optimizer on group i, as its own step calls it
             master.grad = None
             opt.parallel_partitioned_bit16_groups[i][self.rank].copy_(master)
-        if self.world > 1:
+        if self.world > 1:  # in place, as DeepSpeed's own: each rank's partition is its slice of the flat buffer
             for i, partitions in enumerate(opt.parallel_partitioned_bit16_groups):
-                mine = partitions[self.rank].clone()
-                dist.all_gather(list(partitions), mine, group=opt.real_dp_process_group[i])
+                _all_gather(opt.bit16_groups_flat[i], partitions[self.rank], group=opt.real_dp_process_group[i])
         self.norm = norm
         opt._global_grad_norm = norm
         self._count_step(engine)
