@@ -278,3 +278,17 @@ def test_the_compiled_loss_keeps_the_guards_on_its_inputs_train_flags_and_serial
              "self._forward._modules['teacher']._parameters['weight']": False}
     got = _guards_kept([SimpleNamespace(name=n) for n in names])
     assert dict(zip(names, got)) == names
+
+
+def test_the_norms_square_is_the_fp64_sum_of_squares_eager_in_chunks_and_compiled(monkeypatch):
+    """flat_step._square_sum, the global norm's square: eager in bounded fp64 chunks, compiled in one pass, both
+    the fp64 sum of squares rounded to fp32 (what DeepSpeed's per-parameter fp64 norms combine to)."""
+    import vqlcmd.engine.flat_step as flat_step
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100_003, generator=g) * torch.logspace(-4, 2, 100_003)
+    parts = [x[:60_000], x[60_000:]]
+    want = (x.double() ** 2).sum().float()
+    monkeypatch.setattr(flat_step, "_CHUNK", 7_000)  # several chunks per part, a short last one
+    assert torch.equal(flat_step._square_sum(parts), want)
+    assert torch.equal(torch.compile(flat_step._square_sum, dynamic=False)(parts), want)

@@ -55,7 +55,7 @@ def _guards_kept(entries) -> list:
     time a step (``benchmarks/host_overhead.py``). Dynamo's cache is the code's, shared by every FlatStep in
     the process, so the serial (an int read in the loss, specialised as the compile is static) is what keeps
     two steps' graphs apart once the rest is not guarded."""
-    return [not e.name.startswith("self.") or e.name in ("self.serial",) or e.name.endswith(".training")
+    return [not e.name.startswith("self.") or e.name == "self.serial" or e.name.endswith(".training")
             for e in entries]
 
 
@@ -88,16 +88,20 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def _square_sum(parts: list) -> torch.Tensor:
-    """The sum of the squares of the tensors' elements, accumulated in fp64, as fp32."""
+    """The sum of the squares of the tensors' elements, accumulated in fp64, as fp32. Compiled, one pass; eager,
+    in chunks, so that the fp64 copy stays bounded (a whole partition of imagenet-246m would be 2 GB)."""
     total = None
     for part in parts:
         if torch.compiler.is_compiling():
-            square = part.double().square().sum()
+            squares = [part.double().square().sum()]
         else:
-            wide = part.double()
-            square = torch.dot(wide, wide)
-        total = square if total is None else total + square
+            squares = [torch.dot(wide, wide) for wide in (chunk.double() for chunk in part.split(_CHUNK))]
+        for square in squares:
+            total = square if total is None else total + square
     return total.float()
+
+
+_CHUNK = 1 << 24  # elements: a 128 MB fp64 copy at most
 
 
 class FlatStep:
