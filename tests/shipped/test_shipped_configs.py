@@ -64,6 +64,15 @@ def _ok(result):
     return result
 
 
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch):
+    """Every launched rank on one thread (the launches inherit the environment). ``--threads auto`` takes the
+    cores free when a rank starts, so a run launched while the one before still winds down, or beside other
+    work, can get another thread count than the run it is compared with, and bf16 matmuls summed in another
+    blocking differ in the last bits (seen: the two-node run's step-1 l_cm off by 2e-5 under load 1-2)."""
+    monkeypatch.setenv("VQLCMD_THREADS", "1")
+
+
 @pytest.fixture
 def runs_dir(tmp_path):
     """A folder for runs whose checkpoints are GBs (a 246M model, its optimizer state and two EMAs), removed as
