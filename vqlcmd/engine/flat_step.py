@@ -87,21 +87,20 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_CHUNK = 1 << 24  # elements: an eager fp64 copy of 128 MB at most
+
+
 def _square_sum(parts: list) -> torch.Tensor:
     """The sum of the squares of the tensors' elements, accumulated in fp64, as fp32. Compiled, one pass; eager,
     in chunks, so that the fp64 copy stays bounded (a whole partition of imagenet-246m would be 2 GB)."""
+    compiling = torch.compiler.is_compiling()
     total = None
     for part in parts:
-        if torch.compiler.is_compiling():
-            squares = [part.double().square().sum()]
-        else:
-            squares = [torch.dot(wide, wide) for wide in (chunk.double() for chunk in part.split(_CHUNK))]
-        for square in squares:
+        for chunk in (part,) if compiling else part.split(_CHUNK):
+            wide = chunk.double()
+            square = wide.square().sum() if compiling else torch.dot(wide, wide)
             total = square if total is None else total + square
     return total.float()
-
-
-_CHUNK = 1 << 24  # elements: a 128 MB fp64 copy at most
 
 
 class FlatStep:
@@ -152,15 +151,14 @@ class FlatStep:
                 raise ValueError(f"DeepSpeed's flat buffer {i} ({acc.numel()} elements) is not {self.world} "
                                  f"partitions of {size}")
             self.parts.append(acc[self.rank * size:(self.rank + 1) * size])
-        # the global norm's square as one fp64 reduction over each partition, compiled with the loss into one
-        # pass (eager: a cast and a dot). DeepSpeed sums the squares of one fp64 norm per parameter: the same
-        # fp64 number to ~1e-15, so the fp32 norm it is rounded to, the clipping factor and AdamW after it are
-        # DeepSpeed's bit for bit (save a ~1e-8 chance of the rounding falling the other way). A norm in fp32
-        # would not do: AdamW scales the rounding noise of the qkv bias's zero k-part gradient up to a fraction
-        # of the rate, so any other rounding of the clipping factor moves those weights by ~1e-4.
+        # the global norm's square as one fp64 reduction over each partition: compiled (when the loss is) into
+        # one pass, eager a cast and a dot per chunk. DeepSpeed sums the squares of one fp64 norm per parameter:
+        # the same fp64 number to ~1e-15, so the fp32 norm it is rounded to, the clipping factor and AdamW after
+        # it are DeepSpeed's bit for bit (save a ~1e-8 chance of the rounding falling the other way). A norm in
+        # fp32 would not do: AdamW scales the rounding noise of the qkv bias's zero k-part gradient up to a
+        # fraction of the rate, so any other rounding of the clipping factor moves those weights by ~1e-4.
         self._square_sum = torch.compile(_square_sum, dynamic=False) if compile_loss else _square_sum
         self.norm: Optional[torch.Tensor] = None
-        self._ema_source: Optional[torch.Tensor] = None  # (update_emas) the 16-bit weights cast to fp32
         loss = self._loss_of_leaves
         if compile_loss:
             # one graph per micro-step shape: the draws are inputs, not generator calls; "reduce-overhead"
@@ -177,16 +175,16 @@ class FlatStep:
         for ema in emas:
             ema.flatten(layout, leaf.numel())
         self.emas = emas
+        # what update_emas casts 16-bit weights into, kept: no fresh buffer of the weights' size each step
+        self._ema_source = (None if leaf.dtype == torch.float32 else
+                            torch.empty(leaf.shape, dtype=torch.float32, device=leaf.device))
         teacher = getattr(self.module, "teacher", None)
         if teacher in emas and teacher.flat is not None:
             self._forward.teacher = teacher.compute
             self.leaves = self.leaves + [teacher.compute_flat if teacher.compute_flat is not None else teacher.flat]
 
     def update_emas(self) -> None:
-        leaf = self.groups[0][0]
-        if leaf.dtype != torch.float32 and self._ema_source is None:
-            self._ema_source = torch.empty(leaf.shape, dtype=torch.float32, device=leaf.device)
-        update_emas_flat(self.emas, leaf.detach(), self.module.net, scratch=self._ema_source)
+        update_emas_flat(self.emas, self.groups[0][0].detach(), self.module.net, scratch=self._ema_source)
 
     def _rank_world(self):
         group = self.opt.real_dp_process_group[0]
