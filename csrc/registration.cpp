@@ -33,6 +33,9 @@ TORCH_LIBRARY(vqlcmd, m) {
   m.def(
       "ada_layer_norm_backward(Tensor grad, Tensor h, Tensor scale, Tensor mean, Tensor rstd) "
       "-> (Tensor, Tensor, Tensor)");
+  // The EMA update of flat shadows (float32) toward one source, θ̄_k += w_k (θ − θ̄_k) rounded as torch.lerp,
+  // and copies[j] = the updated shadow copy_of[j] in the copy's dtype (CPU kernel only; see csrc/ema/).
+  m.def("ema_update_(Tensor(a!)[] shadows, Tensor source, float[] weights, Tensor(b!)[] copies, int[] copy_of) -> ()");
   // Bidirectional softmax(q kᵀ/√d) v for short sequences, q, k, v (B, H, M, hd) (CPU kernel only; see
   // csrc/attention/): (out, per-row log-sum-exp float32 (B, H, M)) for the backward.
   m.def("short_attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");

@@ -17,6 +17,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from . import ops
+
 
 class EMA:
     def __init__(self, module: nn.Module, decay: float):
@@ -42,7 +44,7 @@ class EMA:
     def flatten(self, layout: list, size: int) -> None:
         """The shadow's parameters named in ``layout`` ((name, offset) pairs), and the compute copy's, become
         views of one buffer each of ``size`` elements at those offsets (same values): laid out as the trained
-        weights' flat buffer, one ``lerp_`` of the two buffers updates every one of them (``update_emas_flat``).
+        weights' flat buffer, one pass over the buffers updates every one of them (``update_emas_flat``).
         Parameters left out must be ones that never change (frozen)."""
         self.flat = _flatten(self.module, layout, size)
         if self.compute is not self.module:
@@ -56,6 +58,12 @@ class EMA:
             self.compute_flat.copy_(self.flat)  # the padding between the views too: zeros both
         else:
             torch._foreach_copy_(_parameters(self.compute), _parameters(self.module))
+        self._refresh_compute_buffers()
+
+    @torch.no_grad()
+    def _refresh_compute_buffers(self) -> None:
+        if self.compute is self.module:
+            return
         for name in _buffer_names(self.module):
             self.compute.get_buffer(name).copy_(self.module.get_buffer(name))
 
@@ -93,20 +101,21 @@ def update_emas(emas: list, source: nn.Module) -> None:
 
 
 @torch.no_grad()
-def update_emas_flat(emas: list, source_flat: torch.Tensor, source: nn.Module,
-                     scratch: "torch.Tensor | None" = None) -> None:
+def update_emas_flat(emas: list, source_flat: torch.Tensor, source: nn.Module) -> None:
     """``update_emas`` for EMAs flattened (``EMA.flatten``) in the layout of ``source_flat``, the flat buffer the
-    source's trained parameters are views of: one cast and one ``lerp_`` per EMA over all of them (the same
-    values: lerp is elementwise). ``scratch``: a float32 buffer of its size that a 16-bit source is cast into,
-    so that a step allocates nothing (a fresh buffer of a few MB costs its page faults each time on a CPU)."""
-    if source_flat.dtype == torch.float32:
-        src = source_flat
-    else:
-        src = scratch.copy_(source_flat) if scratch is not None else source_flat.float()
+    source's trained parameters are views of: all of them, and the compute copies of those that keep one, in
+    one ``vqlcmd.ops.ema_update_`` (the same values: lerp is elementwise). On a CPU that is one pass over the
+    weights, where a cast, a lerp per EMA and a copy were a pass each (3.6 ms of a step at imagenet-246m's
+    structure, benchmarks/host_overhead.py)."""
+    copies = [(ema.compute_flat, k) for k, ema in enumerate(emas) if ema.compute_flat is not None]
+    ops.ema_update_([ema.flat for ema in emas], source_flat, [1.0 - ema.decay for ema in emas],
+                    [c for c, _ in copies], [k for _, k in copies])
     for ema in emas:
-        ema.flat.lerp_(src, 1.0 - ema.decay)
         ema._copy_buffers(source)
-        ema._refresh_compute()
+        if ema.compute_flat is None:
+            ema._refresh_compute()
+        else:
+            ema._refresh_compute_buffers()
 
 
 def _flatten(module: nn.Module, layout: list, size: int) -> torch.Tensor:

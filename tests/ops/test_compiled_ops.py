@@ -818,7 +818,8 @@ def test_an_extension_older_than_the_code_falls_back_to_the_reference():
         "['reference']",
         "compiled backend: unavailable: vqlcmd._C is older than this code: it lacks noise_embeddings, "
         "noise_embeddings_backward, ddim_teacher_step, categorical_kl, categorical_kl_backward, gelu_tanh, "
-        "gelu_tanh_backward, ada_layer_norm, ada_layer_norm_backward, short_attention, short_attention_backward; "
+        "gelu_tanh_backward, ada_layer_norm, ada_layer_norm_backward, short_attention, short_attention_backward, "
+        "ema_update_; "
         "rebuild it with `pip install --no-build-isolation -e .`",
         "0.0"]
 
@@ -849,3 +850,67 @@ def test_a_second_derivative_is_refused_not_wrong(gen):
     (g,) = torch.autograd.grad(y, x)
     (g_ref,) = torch.autograd.grad((x ** 2 + ops.gelu_tanh(x, backend="reference")).sum(), x)
     torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- ema_update_ -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source_dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 7, 2048, 2049, 40_000 + 3])  # empty, under a vector, one block, odd tails
+def test_ema_update_is_torch_lerp_bit_for_bit_with_its_copies(source_dtype, n, gen):
+    """The kernel against the reference (a cast, ``lerp_`` per shadow, ``copy_`` per copy): both EMAs of the
+    engine (w = 1 - η small), w = 0 and 1 (an EMA of decay 0 is the source), and w >= 0.5 (torch.lerp's other
+    branch); copies in bf16, fp16 and fp32; on two threads, so blocks land in different tasks."""
+    source = torch.randn(n, generator=gen).to(source_dtype)
+    weights = [0.01, 1e-4, 0.0, 1.0, 0.5, 0.7]
+    shadows = [torch.randn(n, generator=gen) for _ in weights]
+    copies = [torch.empty(n, dtype=d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+    copy_of = [0, 4, 5]
+    mine, theirs = [s.clone() for s in shadows], [s.clone() for s in shadows]
+    mine_copies, their_copies = [c.clone() for c in copies], [c.clone() for c in copies]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ops.ema_update_(mine, source, weights, mine_copies, copy_of, backend="compiled")
+    finally:
+        torch.set_num_threads(threads)
+    ops.ema_update_(theirs, source, weights, their_copies, copy_of, backend="reference")
+    for a, b in zip(mine + mine_copies, theirs + their_copies):
+        if _compiled.build_info().get("cpu_vector") == "AVX2":  # at::vec's fmadd is an FMA, as ATen's lerp
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=0, rtol=2 ** -22)
+    # eq. 16 itself, in float64: θ̄ + w (θ - θ̄)
+    for s, w, out in zip(shadows, weights, mine):
+        expected = s.double() + w * (source.double() - s.double())
+        torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(mine_copies[0], mine[0].bfloat16()) and torch.equal(mine_copies[2], mine[5])
+
+
+def test_ema_update_refuses_bad_inputs_by_name(gen):
+    src = torch.randn(10, generator=gen)
+    good = [torch.zeros(10)]
+    with pytest.raises(ValueError, match="one weight per shadow"):
+        ops.ema_update_(good, src, [0.1, 0.2])
+    with pytest.raises(ValueError, match=r"shadows\[0\] must be a contiguous float32 tensor of the source's 10"):
+        ops.ema_update_([torch.zeros(10, dtype=torch.bfloat16)], src, [0.1])
+    with pytest.raises(ValueError, match=r"shadows\[0\] must be"):
+        ops.ema_update_([torch.zeros(11)], src, [0.1])
+    with pytest.raises(ValueError, match=r"weights\[0\] \(1 - decay\) must be in \[0, 1\]"):
+        ops.ema_update_(good, src, [1.5])
+    with pytest.raises(ValueError, match=r"copy_of\[0\] = 1 names no shadow"):
+        ops.ema_update_(good, src, [0.1], [torch.zeros(10, dtype=torch.bfloat16)], [1])
+    with pytest.raises(ValueError, match="one shadow per copy"):
+        ops.ema_update_(good, src, [0.1], [torch.zeros(10)], [])
+    with pytest.raises(ValueError, match="source must be contiguous"):
+        ops.ema_update_(good, torch.randn(10, 2, generator=gen)[:, 0], [0.1])
+    # the kernel checks for itself too (its own callers: torch.ops.vqlcmd.ema_update_)
+    with pytest.raises(RuntimeError, match="shadow 0 must be a contiguous float32 tensor"):
+        torch.ops.vqlcmd.ema_update_([torch.zeros(11)], src, [0.1], [], [])
+    assert "CPU kernel only" in _compiled._ema_unsupported(torch.empty(1, device="meta"))
+
+
+def test_ema_update_opcheck(gen):
+    src = torch.randn(300, generator=gen).bfloat16()
+    torch.library.opcheck(torch.ops.vqlcmd.ema_update_.default,
+                          ([torch.randn(300, generator=gen), torch.randn(300, generator=gen)], src, [0.01, 0.5],
+                           [torch.empty(300, dtype=torch.bfloat16)], [0]))

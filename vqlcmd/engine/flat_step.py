@@ -169,22 +169,19 @@ class FlatStep:
 
     def flatten_emas(self, emas: list, prefix: str = "inner.net.") -> None:
         """Lay the EMAs of the module's ``net`` out as its flat weights (one group), so that ``update_emas``
-        is one cast and one ``lerp_`` per EMA, not one per parameter."""
+        is one pass over the flat weights (``vqlcmd.ops.ema_update_``), not a lerp per parameter."""
         (leaf, _, pieces), = self.groups  # (several groups would need a buffer per group)
         layout = [(name[len(prefix):], offset) for name, _, _, offset in pieces]
         for ema in emas:
             ema.flatten(layout, leaf.numel())
         self.emas = emas
-        # what update_emas casts 16-bit weights into, kept: no fresh buffer of the weights' size each step
-        self._ema_source = (None if leaf.dtype == torch.float32 else
-                            torch.empty(leaf.shape, dtype=torch.float32, device=leaf.device))
         teacher = getattr(self.module, "teacher", None)
         if teacher in emas and teacher.flat is not None:
             self._forward.teacher = teacher.compute
             self.leaves = self.leaves + [teacher.compute_flat if teacher.compute_flat is not None else teacher.flat]
 
     def update_emas(self) -> None:
-        update_emas_flat(self.emas, self.groups[0][0].detach(), self.module.net, scratch=self._ema_source)
+        update_emas_flat(self.emas, self.groups[0][0].detach(), self.module.net)
 
     def _rank_world(self):
         group = self.opt.real_dp_process_group[0]

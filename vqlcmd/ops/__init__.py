@@ -8,7 +8,7 @@ same contract and is tested against ``reference``.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,11 +28,12 @@ __all__ = [
     "gelu_tanh",
     "ada_layer_norm",
     "short_attention",
+    "ema_update_",
 ]
 
 OPS = ("softmax_embedding_average", "guided_embedding_average", "categorical_kl", "noise_embeddings", "noise_draw",
        "ddim_teacher_step", "gelu_tanh", "ada_layer_norm",
-       "short_attention")
+       "short_attention", "ema_update_")
 for _op in OPS:
     register(_op, "reference", getattr(reference, _op), priority=lambda device: -1)
 
@@ -192,6 +193,22 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backen
     """
     _checks.check_attention_inputs(q, k, v)
     return resolve("short_attention", backend, q, k, v)(q, k, v)
+
+
+def ema_update_(shadows: list, source: torch.Tensor, weights: list, copies: Sequence[torch.Tensor] = (),
+                copy_of: Sequence[int] = (), *, backend: str = "auto") -> None:
+    """The EMA update (docs/method.md §9, eq. 16) of flat float32 shadows toward one source, in place.
+
+    For each shadow k, ``θ̄_k ← θ̄_k + w_k (θ − θ̄_k)`` with ``w_k = 1 − η_k``, rounded as ``torch.lerp``
+    rounds it (the compiled kernel equals ``shadow.lerp_(source.float(), w)`` bit for bit on AVX2 builds);
+    then ``copies[j] ← shadows[copy_of[j]]`` in the copy's dtype (a 16-bit compute copy of a shadow).
+    shadows: contiguous float32, each of the source's numel; source: contiguous float32, bf16 or fp16;
+    copies: contiguous, the source's numel. Not differentiable (an update). The compiled backend is one
+    pass over the source on CPU (csrc/ema), where the reference's cast, lerps and copies are a pass each.
+    """
+    copies, copy_of = list(copies), [int(k) for k in copy_of]
+    _checks.check_ema_update_inputs(shadows, source, weights, copies, copy_of)
+    resolve("ema_update_", backend, source)(shadows, source, [float(w) for w in weights], copies, copy_of)
 
 
 def _register_optional_backends() -> None:

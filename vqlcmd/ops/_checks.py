@@ -204,6 +204,32 @@ def check_attention_inputs(q, k, v) -> None:
     check_same_device(q=q, k=k, v=v)
 
 
+def check_ema_update_inputs(shadows, source, weights, copies, copy_of) -> None:
+    check_float("source", source)
+    if not source.is_contiguous():
+        raise ValueError("source must be contiguous (a flat buffer)")
+    if len(weights) != len(shadows):
+        raise ValueError(f"one weight per shadow: got {len(weights)} weights for {len(shadows)} shadows")
+    if len(copy_of) != len(copies):
+        raise ValueError(f"copy_of must name one shadow per copy: got {len(copy_of)} for {len(copies)} copies")
+    for i, (x, w) in enumerate(zip(shadows, weights)):
+        check_float(f"shadows[{i}]", x)
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != source.numel():
+            raise ValueError(f"shadows[{i}] must be a contiguous float32 tensor of the source's {source.numel()} "
+                             f"elements, got {x.dtype} {tuple(x.shape)}")
+        if not 0.0 <= w <= 1.0:
+            raise ValueError(f"weights[{i}] (1 - decay) must be in [0, 1], got {w}")
+    for j, (c, k) in enumerate(zip(copies, copy_of)):
+        check_float(f"copies[{j}]", c)
+        if not c.is_contiguous() or c.numel() != source.numel():
+            raise ValueError(f"copies[{j}] must be contiguous with the source's {source.numel()} elements, got "
+                             f"{tuple(c.shape)}")
+        if not 0 <= k < len(shadows):
+            raise ValueError(f"copy_of[{j}] = {k} names no shadow (there are {len(shadows)})")
+    check_same_device(source=source, **{f"shadows[{i}]": x for i, x in enumerate(shadows)},
+                      **{f"copies[{j}]": c for j, c in enumerate(copies)})
+
+
 def checked_guidance(value) -> float:
     """ω as a float, for the guided op and the samplers alike: a real number (numpy scalars and one-element
     tensors too), finite and >= 0. A negative ω would silently mean no guidance (guided = ω > 0), a NaN or

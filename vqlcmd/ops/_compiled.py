@@ -358,6 +358,10 @@ def _register_library() -> None:
         return (torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(scale),
                 torch.empty_like(scale))
 
+    @torch.library.register_fake(lib + "ema_update_")
+    def _(shadows, source, weights, copies, copy_of):
+        return None
+
     @torch.library.register_fake(lib + "short_attention")
     def _(q, k, v):
         return _blhd_empty(q), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -380,7 +384,7 @@ def _register_library() -> None:
 
 OPS = ("noise_embeddings", "noise_embeddings_backward", "ddim_teacher_step", "categorical_kl",
        "categorical_kl_backward", "gelu_tanh", "gelu_tanh_backward", "ada_layer_norm", "ada_layer_norm_backward",
-       "short_attention", "short_attention_backward")
+       "short_attention", "short_attention_backward", "ema_update_")
 
 
 def _missing_ops() -> list[str]:
@@ -425,5 +429,18 @@ register("gelu_tanh", "compiled", gelu_tanh, unavailable=unavailable, unsupporte
          priority=_elementwise_priority)
 register("ada_layer_norm", "compiled", ada_layer_norm, unavailable=unavailable, unsupported=_ada_unsupported,
          priority=_elementwise_priority)
+def ema_update_(shadows, source, weights, copies, copy_of):
+    torch.ops.vqlcmd.ema_update_(shadows, source, weights, copies, copy_of)
+
+
+def _ema_unsupported(source: torch.Tensor) -> Optional[str]:
+    if source.device.type != "cpu":
+        return ("ema_update_ has a CPU kernel only: on GPUs the reference's cast, lerp_ per shadow and copies are "
+                "one memory-bound kernel each (the reference serves it)")
+    return unsupported(source)
+
+
+register("ema_update_", "compiled", ema_update_, unavailable=unavailable, unsupported=_ema_unsupported,
+         priority=_priority)
 register("short_attention", "compiled", short_attention, unavailable=unavailable, unsupported=_attn_unsupported,
          priority=_priority)

@@ -146,3 +146,13 @@ def ddim_teacher_step(
     ratio = _per_batch(sigma_s, dt) / _per_batch(sigma_t, dt)
     z_s = _per_batch(alpha_s, dt) * e + ratio * (z_t.to(dt) - _per_batch(alpha_t, dt) * e)
     return z_s.to(z_t.dtype)
+
+
+@torch.no_grad()
+def ema_update_(shadows: list, source: torch.Tensor, weights: list, copies: list, copy_of: list) -> None:
+    """θ̄_k ← lerp(θ̄_k, θ, w_k) for each shadow, then each copy ← its shadow (docs/method.md §9, eq. 16)."""
+    src = source if source.dtype == torch.float32 else source.float()
+    for shadow, w in zip(shadows, weights):
+        shadow.lerp_(src, w)
+    for copy, k in zip(copies, copy_of):
+        copy.copy_(shadows[k])
