@@ -300,6 +300,19 @@ def _blhd_empty(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((B, M, H, hd)).permute(0, 2, 1, 3)
 
 
+# ---- ema_update_ -----------------------------------------------------------------------------
+
+def ema_update_(shadows, source, weights, copies, copy_of):
+    torch.ops.vqlcmd.ema_update_(shadows, source, weights, copies, copy_of)
+
+
+def _ema_unsupported(source: torch.Tensor) -> Optional[str]:
+    if source.device.type != "cpu":
+        return ("ema_update_ has a CPU kernel only: on GPUs the reference's cast, lerp_ per shadow and copies are "
+                "one memory-bound kernel each (the reference serves it)")
+    return unsupported(source)
+
+
 # ---- torch.library: fake implementations and autograd ------------------------------------------
 
 def _no_context(ctx, inputs, output) -> None:
@@ -429,17 +442,6 @@ register("gelu_tanh", "compiled", gelu_tanh, unavailable=unavailable, unsupporte
          priority=_elementwise_priority)
 register("ada_layer_norm", "compiled", ada_layer_norm, unavailable=unavailable, unsupported=_ada_unsupported,
          priority=_elementwise_priority)
-def ema_update_(shadows, source, weights, copies, copy_of):
-    torch.ops.vqlcmd.ema_update_(shadows, source, weights, copies, copy_of)
-
-
-def _ema_unsupported(source: torch.Tensor) -> Optional[str]:
-    if source.device.type != "cpu":
-        return ("ema_update_ has a CPU kernel only: on GPUs the reference's cast, lerp_ per shadow and copies are "
-                "one memory-bound kernel each (the reference serves it)")
-    return unsupported(source)
-
-
 register("ema_update_", "compiled", ema_update_, unavailable=unavailable, unsupported=_ema_unsupported,
          priority=_priority)
 register("short_attention", "compiled", short_attention, unavailable=unavailable, unsupported=_attn_unsupported,
