@@ -18,7 +18,8 @@ for the device it forces (a ``.item()`` inside DeepSpeed shows up there). ``--re
 tensor read-backs (each a device sync on a GPU) per phase with where they come from.
 
 Printed: ms per step, per phase; with ``--profile torch`` the aten ops dispatched from Python per step
-and phase (each one launches at least one kernel on a GPU: ~5-20 us of host time each there). Runs on
+and phase (each one launches at least one kernel on a GPU: ~5-20 us of host time each there) and, on a CPU,
+how much of the step is arithmetic that a GPU would run on the device (``benchmarks/cpu_arithmetic.py``). Runs on
 the CPU (gloo) or a GPU (nccl) alike; ``--json FILE`` appends one row per run.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks import synthetic_shards  # noqa: E402
+from benchmarks import cpu_arithmetic, synthetic_shards  # noqa: E402
 
 PHASES = ("data", "forward+loss", "teacher forward", "backward", "DeepSpeed gradient hooks", "DeepSpeed gradient norm",
           "AdamW", "update, other", "ema", "other")
@@ -356,6 +357,12 @@ def measure(args) -> dict:
             with profile(activities=acts) as prof:
                 run_steps(tr, batches, 3)
             row.update(count_ops(prof, 3))
+            if tr.device.type == "cpu":  # how much of the CPU's step is arithmetic a GPU would run on the device
+                onednn = cpu_arithmetic.onednn_exec(lambda: run_steps(tr, batches, 3), 3)
+                large = cpu_arithmetic.large_kernels(
+                    prof, 3, lambda name: name.startswith(OP_PREFIXES) or _is_compiled_kernel(name))
+                row["cpu_arithmetic"] = cpu_arithmetic.split(row["ms_per_step"], onednn, large,
+                                                              cpu_arithmetic.matmul_calls_ms(prof, 3))
         elif args.profile == "cprofile":
             pr = cProfile.Profile()
             pr.enable()
@@ -392,7 +399,12 @@ def summary(row: dict) -> str:
             f"{row['cpu_ms_per_step']:.1f} CPU ms ({row['size']}, batch {row['batch']}, "
             f"{'bf16' if row['bf16'] else 'fp32'}, load {row['load']:.1f})"
             + (f"; {row['top_level_ops']:.0f} ops/step from Python, {row['kernel_ops']:.0f} of them launching a "
-               f"kernel, {row['compiled_kernels']:.0f} compiled kernels" if "top_level_ops" in row else ""))
+               f"kernel, {row['compiled_kernels']:.0f} compiled kernels" if "top_level_ops" in row else "")
+            + (f"; of it CPU arithmetic {row['cpu_arithmetic']['arithmetic_ms']:.1f} ms (oneDNN's kernels "
+               f"{row['cpu_arithmetic']['onednn_exec_ms']:.1f} in {row['cpu_arithmetic']['onednn_calls']:.0f} calls, "
+               f"{row['cpu_arithmetic']['large_kernels']:.0f} passes of >= "
+               f"{row['cpu_arithmetic']['threshold_us']:.0f} us {row['cpu_arithmetic']['large_kernel_ms']:.1f}), "
+               f"host work {row['cpu_arithmetic']['host_only_ms']:.1f} ms" if "cpu_arithmetic" in row else ""))
 
 
 def compare_table(before: dict, after: dict) -> str:
@@ -406,10 +418,20 @@ def compare_table(before: dict, after: dict) -> str:
             lines.append(f"| {phase} | {cells[0]:.0f} | {cells[1]:.0f} | {cells[2]:.1f} | {cells[3]:.1f} |")
     lines.append(f"| **total** | **{before.get('top_level_ops', 0):.0f}** | **{after.get('top_level_ops', 0):.0f}** | "
                  f"**{before['ms_per_step']:.1f}** | **{after['ms_per_step']:.1f}** |")
+    split_b, split_a = before.get("cpu_arithmetic"), after.get("cpu_arithmetic")
+    if split_b and split_a:
+        lines.append(f"| of it, CPU arithmetic (oneDNN's kernels + passes of >= {split_a['threshold_us']:.0f} us) "
+                     f"| | | {split_b['arithmetic_ms']:.1f} | {split_a['arithmetic_ms']:.1f} |")
+        lines.append(f"| of it, host work | | | {split_b['host_only_ms']:.1f} | {split_a['host_only_ms']:.1f} |")
+        if "matmul_setup_ms" in split_b and "matmul_setup_ms" in split_a:
+            lines.append(f"| of the host work, the matmuls' set-up around oneDNN's kernel (as profiled) | | | "
+                         f"{split_b['matmul_setup_ms']:.1f} | {split_a['matmul_setup_ms']:.1f} |")
     if before.get("top_level_ops"):
         lines.append(f"ops ratio {after['top_level_ops'] / before['top_level_ops']:.3f} "
                      f"(+ {after.get('compiled_kernels', 0):.0f} compiled kernels after), host ms ratio "
-                     f"{after['ms_per_step'] / before['ms_per_step']:.3f}")
+                     f"{after['ms_per_step'] / before['ms_per_step']:.3f}"
+                     + (f", host work without the CPU's arithmetic {split_a['host_only_ms'] / split_b['host_only_ms']:.3f}"
+                        if split_b and split_a else ""))
     return "\n".join(lines)
 
 

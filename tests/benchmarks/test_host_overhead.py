@@ -24,6 +24,9 @@ def test_host_overhead_reports_phases_ops_and_reads(tmp_path, bf16, capsys):
     assert row["param_tensors"] == 12 * 2 + 12  # 12 per block and 12 around them: 300 at the preset's depth 24
     assert set(row["host_ms_by_phase"]) == set(host_overhead.PHASES)
     assert row["ms_per_step"] > 0 and row["kernel_ops"] > 0
+    split = row["cpu_arithmetic"]  # (benchmarks/cpu_arithmetic.py): the step's time less oneDNN's and the long passes'
+    assert split["host_only_ms"] == pytest.approx(row["ms_per_step"] - split["onednn_exec_ms"] - split["large_kernel_ms"],
+                                                  abs=2e-3)
     by_phase = row["kernel_ops_by_phase"]
     # bf16: the EMA casts DeepSpeed's flat bf16 buffer in one op, not one per weight (35 of them here)
     assert 0 < by_phase["ema"] < 8
