@@ -101,15 +101,17 @@ def update_emas(emas: list, source: nn.Module) -> None:
 
 
 @torch.no_grad()
-def update_emas_flat(emas: list, source_flat: torch.Tensor, source: nn.Module) -> None:
+def update_emas_flat(emas: list, source_flat: torch.Tensor, source: nn.Module, backend: str = "auto") -> None:
     """``update_emas`` for EMAs flattened (``EMA.flatten``) in the layout of ``source_flat``, the flat buffer the
     source's trained parameters are views of: all of them, and the compute copies of those that keep one, in
     one ``vqlcmd.ops.ema_update_`` (the same values: lerp is elementwise). On a CPU that is one pass over the
     weights, where a cast, a lerp per EMA and a copy were a pass each (3.6 ms of a step at imagenet-246m's
-    structure, benchmarks/host_overhead.py)."""
+    structure, benchmarks/host_overhead.py). ``backend``: the run's ``train.backend``; ``ema_update_`` has a
+    reference and a compiled backend only, so any other (``triton``) leaves the choice to ``auto``."""
     copies = [(ema.compute_flat, k) for k, ema in enumerate(emas) if ema.compute_flat is not None]
     ops.ema_update_([ema.flat for ema in emas], source_flat, [1.0 - ema.decay for ema in emas],
-                    [c for c, _ in copies], [k for _, k in copies])
+                    [c for c, _ in copies], [k for _, k in copies],
+                    backend=backend if backend in ("reference", "compiled") else "auto")
     for ema in emas:
         ema._copy_buffers(source)
         if ema.compute_flat is None:

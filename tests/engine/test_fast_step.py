@@ -245,3 +245,24 @@ def test_a_bf16_fast_step_reads_once_through_deepspeed_and_never_through_the_fla
         m.setattr(get_accelerator(), "synchronize", lambda *a, **k: reads.append("synchronize"))
         tr.train_step(batches)
     assert reads == want
+
+
+# (train.backend 'compiled' or 'triton' names a backend that not every op of the loss has: only 'auto' and
+# 'reference' train)
+@pytest.mark.parametrize("backend, used", [("reference", "reference"), ("auto", "auto")])
+def test_the_flat_step_updates_the_emas_with_the_runs_op_backend(tmp_path, tiny_shards, make_config, monkeypatch,
+                                                                  backend, used):
+    import vqlcmd.ops as ops
+
+    seen, real = [], ops.ema_update_
+
+    def spy(*args, backend="auto", **kwargs):
+        seen.append(backend)
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(ops, "ema_update_", spy)
+    tr = _trainer(tmp_path, tiny_shards, make_config, fast=True, step="flat", backend=backend)
+    before = [p.detach().clone() for p in tr.teacher.module.parameters()]
+    tr.train_step(tr.loader.forever())
+    assert seen == [used]  # one update of both EMAs, through the backend the run names
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.teacher.module.parameters()))

@@ -194,7 +194,7 @@ def build_flat_step(model: Model, engine, cfg: VQLCMDConfig, device, log) -> Opt
         return None
     log("step: flat (one gradient buffer, clipped and stepped on DeepSpeed's flat ZeRO buffers"
         + (", CUDA graphs" if graphs else "") + ")")
-    return FlatStep(engine, compile_loss=t.compile, cuda_graphs=graphs)
+    return FlatStep(engine, compile_loss=t.compile, cuda_graphs=graphs, backend=t.backend)
 
 
 def attention_words(den_cfg, device, bf16: bool) -> str:

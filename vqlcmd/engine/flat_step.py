@@ -107,11 +107,12 @@ class FlatStep:
     """Gradients and update of one run on ``engine``'s flat buffers, with the engine's module (the loss) as the
     forward: ``module(tokens, labels, draws=...)`` (or ``generator=``, for a loss that draws inside)."""
 
-    def __init__(self, engine, *, compile_loss: bool, cuda_graphs: bool = False):
+    def __init__(self, engine, *, compile_loss: bool, cuda_graphs: bool = False, backend: str = "auto"):
         reason = flat_step_refusal(engine)
         if reason:
             raise ValueError(f"the flat step cannot drive this run: {reason}")
         self.engine, self.opt, self.module = engine, engine.optimizer, engine.module
+        self.backend = backend  # train.backend, for the EMA update (the loss's ops take it from the loss module)
         self.serial = next(_SERIALS)
         # the module's forward without its call hooks: DeepSpeed's (timers, micro-step bookkeeping) read engine
         # counters that change every step, which Dynamo would guard on and recompile for
@@ -181,7 +182,7 @@ class FlatStep:
             self.leaves = self.leaves + [teacher.compute_flat if teacher.compute_flat is not None else teacher.flat]
 
     def update_emas(self) -> None:
-        update_emas_flat(self.emas, self.groups[0][0].detach(), self.module.net)
+        update_emas_flat(self.emas, self.groups[0][0].detach(), self.module.net, backend=self.backend)
 
     def _rank_world(self):
         group = self.opt.real_dp_process_group[0]
