@@ -35,3 +35,15 @@ def test_host_overhead_reports_phases_ops_and_reads(tmp_path, bf16, capsys):
     assert any(k.startswith("update, other __bool__[cpu]") for k in row["reads_per_step"])
     assert not any("synchronize" in k or "has_overflow" in k for k in row["reads_per_step"])
     assert "host_overhead:" in capsys.readouterr().out
+
+
+def test_the_compare_table_gives_the_host_work_without_the_cpus_arithmetic():
+    def row(ms, arithmetic, setup):
+        return {"ms_per_step": ms, "top_level_ops": 100.0, "host_ms_by_phase": {p: 0.0 for p in host_overhead.PHASES},
+                "cpu_arithmetic": {"threshold_us": 100.0, "arithmetic_ms": arithmetic, "host_only_ms": ms - arithmetic,
+                                   "matmul_setup_ms": setup}}
+
+    table = host_overhead.compare_table(row(100.0, 20.0, 30.0), row(40.0, 20.0, 10.0))
+    assert "| of it, host work | | | 80.0 | 20.0 |" in table
+    assert "| 30.0 | 10.0 |" in table  # the matmuls' set-up
+    assert table.endswith("host ms ratio 0.400, host work without the CPU's arithmetic 0.250")
