@@ -106,12 +106,13 @@ def update_emas_flat(emas: list, source_flat: torch.Tensor, source: nn.Module, b
     source's trained parameters are views of: all of them, and the compute copies of those that keep one, in
     one ``vqlcmd.ops.ema_update_`` (the same values: lerp is elementwise). On a CPU that is one pass over the
     weights, where a cast, a lerp per EMA and a copy were a pass each (3.6 ms of a step at imagenet-246m's
-    structure, benchmarks/host_overhead.py). ``backend``: the run's ``train.backend``; ``ema_update_`` has a
-    reference and a compiled backend only, so any other (``triton``) leaves the choice to ``auto``."""
+    structure, benchmarks/host_overhead.py). ``backend``: the run's ``train.backend``: ``reference`` runs the
+    reference; any other leaves the choice to ``auto`` (the compiled kernel is the CPU's only, and there is no
+    Triton one, so a run naming either on a GPU still updates its EMAs)."""
     copies = [(ema.compute_flat, k) for k, ema in enumerate(emas) if ema.compute_flat is not None]
     ops.ema_update_([ema.flat for ema in emas], source_flat, [1.0 - ema.decay for ema in emas],
                     [c for c, _ in copies], [k for _, k in copies],
-                    backend=backend if backend in ("reference", "compiled") else "auto")
+                    backend="reference" if backend == "reference" else "auto")
     for ema in emas:
         ema._copy_buffers(source)
         if ema.compute_flat is None:
