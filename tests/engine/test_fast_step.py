@@ -247,8 +247,8 @@ def test_a_bf16_fast_step_reads_once_through_deepspeed_and_never_through_the_fla
     assert reads == want
 
 
-# (train.backend 'compiled' or 'triton' names a backend that not every op of the loss has: only 'auto' and
-# 'reference' train)
+# (train.backend 'compiled' or 'triton' names a backend that not every op of the loss has: refused up front,
+# tests/engine/test_trainer.py)
 @pytest.mark.parametrize("backend, used", [("reference", "reference"), ("auto", "auto")])
 def test_the_flat_step_updates_the_emas_with_the_runs_op_backend(tmp_path, tiny_shards, make_config, monkeypatch,
                                                                   backend, used):

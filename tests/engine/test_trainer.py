@@ -517,3 +517,20 @@ def test_a_failing_preview_loses_no_checkpoint(tmp_path, tiny_shards, trainer, m
     with pytest.raises(RuntimeError, match="preview failed"):
         trainer(tmp_path, tiny_shards, steps=4, checkpoint_every=2, sample_every=2).train(progress=False)
     assert (tmp_path / "run" / "checkpoints" / "step_0000002").is_dir()
+
+
+@pytest.mark.parametrize("backend, op", [("compiled", "softmax_embedding_average"), ("triton", "noise_draw")])
+def test_an_op_backend_the_loss_cannot_use_is_refused_before_the_set_up(tmp_path, tiny_shards, make_config, monkeypatch,
+                                                                        backend, op):
+    """train.backend names one backend for every fused op of the loss; each of 'compiled' and 'triton' lacks one of
+    them, so such a run stopped at its first step, after DeepSpeed's set-up and the compile."""
+    import vqlcmd.engine.trainer as trainer_module
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("DeepSpeed's engine was built before the backend was checked")
+
+    monkeypatch.setattr(trainer_module, "build_engine", no_engine)
+    ds, cfg = load_config(str(make_config(tmp_path, tiny_shards, backend=backend)))
+    with pytest.raises(ConfigError, match=rf"train\.backend '{backend}' cannot run method 'vqlcmd': its loss calls "
+                                          rf"{op}, and {op} has no '{backend}' backend .*'auto' picks"):
+        Trainer(ds, cfg, log=lambda *a, **k: None)

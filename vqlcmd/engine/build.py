@@ -119,7 +119,22 @@ class Model:
     module: LossModule
 
 
+def check_op_backend(cfg: VQLCMDConfig) -> None:
+    """Refuse a ``train.backend`` that one of the method's ops lacks (or that is not built here) before anything
+    is built, where the first step would stop on it after the set-up: ``auto`` chooses per op."""
+    from .. import ops
+
+    backend = cfg.train.backend
+    if backend == "auto":
+        return
+    for op in get_method(cfg.method).ops:
+        if backend not in ops.available_backends(op):
+            raise ConfigError(f"vqlcmd.train.backend {backend!r} cannot run method {cfg.method!r}: its loss calls "
+                              f"{op}, and {ops.why_not(op, backend)}; 'auto' picks the best backend per op")
+
+
 def build_model_and_emas(cfg: VQLCMDConfig, data: Data, device, bf16: bool, log) -> Model:
+    check_op_backend(cfg)
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     try:
         net = get_method(cfg.method).network(cfg, data.den_cfg, data.tokenizer_dir, log=log)

@@ -214,7 +214,7 @@ class TrainSection:
     step: str = "auto"
     # train.compile on CUDA: the compiled loss captured in CUDA graphs (torch.compile's "reduce-overhead")
     cuda_graphs: bool = False
-    backend: str = "auto"  # backend of the fused ops
+    backend: str = "auto"  # backend of the fused ops (one the method's loss ops all have: build.check_op_backend)
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
 
     def __post_init__(self):

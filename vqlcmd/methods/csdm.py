@@ -12,7 +12,7 @@ from ..baselines.csdm import CSDM_SWITCHES, codebook_from_tokenizer
 from ..network import VQLCMDNetwork
 from ..pipeline import VQLCMDPipeline
 from .registry import Method, register
-from .vqlcmd import losses, pipeline_kwargs
+from .vqlcmd import LOSS_OPS, losses, pipeline_kwargs
 
 
 def fixed_codebook_network(cfg, den_cfg, tokenizer_dir=None, log=print) -> VQLCMDNetwork:
@@ -33,7 +33,7 @@ def fixed_codebook_network(cfg, den_cfg, tokenizer_dir=None, log=print) -> VQLCM
     return VQLCMDNetwork(den_cfg, frozen_embeddings=True, embedding_init=code)
 
 
-_COMMON = dict(losses=losses, pipeline_class=VQLCMDPipeline, pipeline_kwargs=pipeline_kwargs)
+_COMMON = dict(losses=losses, pipeline_class=VQLCMDPipeline, pipeline_kwargs=pipeline_kwargs, ops=LOSS_OPS)
 register(Method("csdm_fixed", switches=CSDM_SWITCHES["csdm_fixed"], build_network=fixed_codebook_network,
                 resume_sections=("csdm",), **_COMMON))  # its csdm section decides the frozen table
 register(Method("csdm", switches=CSDM_SWITCHES["csdm"], **_COMMON))

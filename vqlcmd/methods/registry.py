@@ -30,6 +30,8 @@ class Method:
     objective: dict = field(default_factory=lambda: {"loss": None})
     # build_network(cfg, den_cfg, tokenizer_dir, log) -> VQLCMDNetwork
     build_network: Optional[Callable] = None
+    # the vqlcmd.ops its loss calls with the run's train.backend, which must therefore serve each of them
+    ops: tuple = ()
     # the sampling steps of the preview grids: the run's sample section, or the method's own default (None)
     grid_steps: Callable = lambda cfg: cfg.sample.grid_steps or cfg.sample.num_steps
 

@@ -27,4 +27,7 @@ def pipeline_kwargs(cfg) -> dict:
                                 "final": s.final, "guidance_interval": s.guidance_interval}}
 
 
-METHOD = register(Method("vqlcmd", losses=losses, draw=draw, losses_drawn=losses_drawn, pipeline_class=VQLCMDPipeline, pipeline_kwargs=pipeline_kwargs))
+# the fused ops of vqlcmd.diffusion.losses, each called with the run's train.backend
+LOSS_OPS = ("noise_draw", "noise_embeddings", "ddim_teacher_step", "softmax_embedding_average", "categorical_kl")
+METHOD = register(Method("vqlcmd", losses=losses, draw=draw, losses_drawn=losses_drawn, pipeline_class=VQLCMDPipeline,
+                         pipeline_kwargs=pipeline_kwargs, ops=LOSS_OPS))

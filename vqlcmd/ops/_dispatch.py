@@ -71,13 +71,14 @@ def available_backends(op: str) -> list[str]:
 
 
 def why_not(op: str, backend: str, *tensors: torch.Tensor) -> Optional[str]:
-    """Why ``backend`` cannot serve ``op`` for these inputs, or ``None`` if it can."""
+    """Why ``backend`` cannot serve ``op`` for these inputs (none given: for any input, on this install), or
+    ``None`` if it can."""
     impls = _impls(op)
     if backend not in impls:
         return f"{op} has no {backend!r} backend (it has: {', '.join(impls)})"
     impl = impls[backend]
     reason = impl.unavailable()
-    if reason is None:
+    if reason is None and tensors:
         reason = impl.unsupported(*tensors)
     return reason
 
