@@ -536,3 +536,24 @@ def test_drawn_loss_is_the_loss_with_its_draws_taken_first(backend, strategy):
         assert torch.equal(want[k], got[k]), k
     for a, b in zip(want_grads, torch.autograd.grad(got["loss"], list(net.parameters()))):
         assert torch.equal(a, b)
+
+
+def test_loss_ops_names_every_fused_op_the_loss_calls_with_its_backend(monkeypatch):
+    """LOSS_OPS is what engine.build.check_op_backend holds train.backend to: the ops the loss hands its backend."""
+    import vqlcmd.ops as ops
+    from vqlcmd.diffusion.losses import LOSS_OPS
+
+    called = set()
+    for name in [n for n in dir(ops) if callable(getattr(ops, n)) and not n.startswith("_")]:
+        real = getattr(ops, name)
+
+        def spy(*args, _name=name, _real=real, **kwargs):
+            if kwargs.get("backend") == "reference":  # the loss's own (the model's attention names its own backend)
+                called.add(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
+    net, teacher, x, y = _setup()
+    training_losses(net, teacher, ShiftedCosineSchedule(), x, y, LossConfig(), generator=torch.Generator().manual_seed(0),
+                    backend="reference")
+    assert called == set(LOSS_OPS)

@@ -20,6 +20,10 @@ from ..engine.config import DROP_STRATEGIES, WEIGHTINGS, LossConfig  # noqa: F40
 from ..network import VQLCMDNetwork
 from ..schedule import ShiftedCosineSchedule
 
+# the vqlcmd.ops this loss calls with its backend argument (the run's train.backend must serve each:
+# engine.build.check_op_backend); tests/test_losses.py holds the list to the calls below
+LOSS_OPS = ("noise_draw", "noise_embeddings", "ddim_teacher_step", "softmax_embedding_average", "categorical_kl")
+
 
 def _rand(shape, device, generator) -> torch.Tensor:
     return torch.rand(shape, device=device, generator=generator)

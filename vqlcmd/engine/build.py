@@ -128,9 +128,10 @@ def check_op_backend(cfg: VQLCMDConfig) -> None:
     if backend == "auto":
         return
     for op in get_method(cfg.method).ops:
-        if backend not in ops.available_backends(op):
+        reason = ops.why_not(op, backend)  # no inputs: whether the backend exists and is built, for any input
+        if reason is not None:
             raise ConfigError(f"vqlcmd.train.backend {backend!r} cannot run method {cfg.method!r}: its loss calls "
-                              f"{op}, and {ops.why_not(op, backend)}; 'auto' picks the best backend per op")
+                              f"{op}, and {reason}; 'auto' picks the best backend per op")
 
 
 def build_model_and_emas(cfg: VQLCMDConfig, data: Data, device, bf16: bool, log) -> Model:

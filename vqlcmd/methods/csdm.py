@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 from ..baselines.csdm import CSDM_SWITCHES, codebook_from_tokenizer
+from ..diffusion.losses import LOSS_OPS
 from ..network import VQLCMDNetwork
 from ..pipeline import VQLCMDPipeline
 from .registry import Method, register
-from .vqlcmd import LOSS_OPS, losses, pipeline_kwargs
+from .vqlcmd import losses, pipeline_kwargs
 
 
 def fixed_codebook_network(cfg, den_cfg, tokenizer_dir=None, log=print) -> VQLCMDNetwork:

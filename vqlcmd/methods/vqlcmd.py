@@ -5,6 +5,7 @@ Its ablations are switches of the loss, embedding and schedule sections, not met
 from __future__ import annotations
 
 from ..diffusion import draw_loss_randoms, training_losses, training_losses_drawn
+from ..diffusion.losses import LOSS_OPS
 from ..pipeline import VQLCMDPipeline
 from .registry import Method, register
 
@@ -27,7 +28,5 @@ def pipeline_kwargs(cfg) -> dict:
                                 "final": s.final, "guidance_interval": s.guidance_interval}}
 
 
-# the fused ops of vqlcmd.diffusion.losses, each called with the run's train.backend
-LOSS_OPS = ("noise_draw", "noise_embeddings", "ddim_teacher_step", "softmax_embedding_average", "categorical_kl")
 METHOD = register(Method("vqlcmd", losses=losses, draw=draw, losses_drawn=losses_drawn, pipeline_class=VQLCMDPipeline,
                          pipeline_kwargs=pipeline_kwargs, ops=LOSS_OPS))
