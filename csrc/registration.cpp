@@ -37,9 +37,10 @@ TORCH_LIBRARY(vqlcmd, m) {
   // and copies[j] = the updated shadow copy_of[j] in the copy's dtype (CPU kernel only; see csrc/ema/).
   m.def("ema_update_(Tensor(a!)[] shadows, Tensor source, float[] weights, Tensor(b!)[] copies, int[] copy_of) -> ()");
   // Bidirectional softmax(q kᵀ/√d) v for short sequences, q, k, v (B, H, M, hd) (CPU kernel only; see
-  // csrc/attention/): (out, per-row log-sum-exp float32 (B, H, M)) for the backward.
-  m.def("short_attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
+  // csrc/attention/): (out, per-row log-sum-exp float32 (B, H, M)) for the backward. dropout_p > 0 drops
+  // attention probabilities by a Philox mask keyed by seed (a one-element int64 tensor).
+  m.def("short_attention(Tensor q, Tensor k, Tensor v, float dropout_p=0., Tensor? seed=None) -> (Tensor, Tensor)");
   m.def(
-      "short_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
-      "-> (Tensor, Tensor, Tensor)");
+      "short_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "float dropout_p=0., Tensor? seed=None) -> (Tensor, Tensor, Tensor)");
 }

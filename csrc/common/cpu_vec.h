@@ -69,14 +69,11 @@ inline float reduce_max(Vec v) {
   return m;
 }
 
-// Uniforms of eight consecutive Philox blocks, first_block .. first_block+7, in
-// the layout philox_normals() reads: for block j of the group
-//   ua[j], ub[j]         = U(x0), U(x1)  (Box-Muller pair of elements 4b, 4b+1)
-//   ua[8 + j], ub[8 + j] = U(x2), U(x3)  (elements 4b+2, 4b+3)
-inline void philox_uniform_group(uint64_t seed, uint64_t offset, uint64_t first_block, float* ua, float* ub) {
 #if defined(CPU_CAPABILITY_AVX2)
-  // Eight counters per register; mul_epu32 multiplies the even lanes, so the odd
-  // lanes are shifted down for a second multiply and the halves blended back.
+// Philox4x32-10 (philox.h) on eight consecutive blocks at once: word i of block first_block + j in lane j of
+// x[i]. Eight counters per register; mul_epu32 multiplies the even lanes, so the odd lanes are shifted down
+// for a second multiply and the halves blended back.
+inline void philox_group_avx2(uint64_t seed, uint64_t offset, uint64_t first_block, __m256i x[4]) {
   const auto mulhilo = [](__m256i a, __m256i m, __m256i* lo, __m256i* hi) {
     const __m256i even = _mm256_mul_epu32(a, m);
     const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
@@ -106,14 +103,29 @@ inline void philox_uniform_group(uint64_t seed, uint64_t offset, uint64_t first_
     c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
     c3 = lo0;
   }
-  const auto uniform = [](__m256i x) {  // uniform_open() on eight words
-    const __m256 top = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9));
+  x[0] = c0;
+  x[1] = c1;
+  x[2] = c2;
+  x[3] = c3;
+}
+#endif
+
+// Uniforms of eight consecutive blocks (first_block ..), in the layout philox_normals() reads: for block j
+// of the group
+//   ua[j], ub[j]         = U(x0), U(x1)  (Box-Muller pair of elements 4b, 4b+1)
+//   ua[8 + j], ub[8 + j] = U(x2), U(x3)  (elements 4b+2, 4b+3)
+inline void philox_uniform_group(uint64_t seed, uint64_t offset, uint64_t first_block, float* ua, float* ub) {
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256i x[4];
+  philox_group_avx2(seed, offset, first_block, x);
+  const auto uniform = [](__m256i w) {  // uniform_open() on eight words
+    const __m256 top = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 9));
     return _mm256_mul_ps(_mm256_add_ps(top, _mm256_set1_ps(0.5f)), _mm256_set1_ps(1.0f / 8388608.0f));
   };
-  _mm256_storeu_ps(ua, uniform(c0));
-  _mm256_storeu_ps(ub, uniform(c1));
-  _mm256_storeu_ps(ua + 8, uniform(c2));
-  _mm256_storeu_ps(ub + 8, uniform(c3));
+  _mm256_storeu_ps(ua, uniform(x[0]));
+  _mm256_storeu_ps(ub, uniform(x[1]));
+  _mm256_storeu_ps(ua + 8, uniform(x[2]));
+  _mm256_storeu_ps(ub + 8, uniform(x[3]));
 #else
   for (int j = 0; j < 8; ++j) {
     const Philox4 r = philox_block(seed, offset, first_block + j);
@@ -123,6 +135,46 @@ inline void philox_uniform_group(uint64_t seed, uint64_t offset, uint64_t first_
     ub[8 + j] = uniform_open(r.x[3]);
   }
 #endif
+}
+
+// The words of eight consecutive blocks in stream order: words[4 j + i] = word i of block first_block + j,
+// so element n of the stream (philox.h: word n % 4 of block n / 4) is words[n - 4 first_block].
+inline void philox_word_group(uint64_t seed, uint64_t offset, uint64_t first_block, uint32_t* words) {
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256i x[4];
+  philox_group_avx2(seed, offset, first_block, x);
+  // (x0 x1 x2 x3) lanes 0..7 -> block-major: interleave pairs, then quads
+  const __m256i a = _mm256_unpacklo_epi32(x[0], x[1]), b = _mm256_unpackhi_epi32(x[0], x[1]);
+  const __m256i c = _mm256_unpacklo_epi32(x[2], x[3]), d = _mm256_unpackhi_epi32(x[2], x[3]);
+  const __m256i r0 = _mm256_unpacklo_epi64(a, c), r1 = _mm256_unpackhi_epi64(a, c);  // blocks 0,1 | 4,5
+  const __m256i r2 = _mm256_unpacklo_epi64(b, d), r3 = _mm256_unpackhi_epi64(b, d);  // blocks 2,3 | 6,7
+  auto* out = reinterpret_cast<__m256i*>(words);
+  _mm256_storeu_si256(out + 0, _mm256_permute2x128_si256(r0, r1, 0x20));  // blocks 0, 1
+  _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(r2, r3, 0x20));  // blocks 2, 3
+  _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(r0, r1, 0x31));  // blocks 4, 5
+  _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(r2, r3, 0x31));  // blocks 6, 7
+#else
+  for (int j = 0; j < 8; ++j) {
+    const Philox4 r = philox_block(seed, offset, first_block + j);
+    for (int i = 0; i < 4; ++i) words[4 * j + i] = r.x[i];
+  }
+#endif
+}
+
+// Dropout's keep-and-rescale factors of stream elements n0 .. n0+count-1: `scale` where the element's word
+// (top 24 bits) is at least `threshold` (philox.h's dropout_threshold), else 0.
+inline void philox_dropout_scales(uint64_t seed, uint64_t offset, uint64_t n0, int64_t count, uint32_t threshold,
+                                  float scale, float* out) {
+  uint32_t words[32];
+  int64_t d = 0;
+  while (d < count) {
+    const uint64_t n = n0 + d, block = n / 4;
+    philox_word_group(seed, offset, block, words);
+    const int64_t first = static_cast<int64_t>(n - 4 * block);
+    const int64_t take = std::min<int64_t>(32 - first, count - d);
+    for (int64_t e = 0; e < take; ++e) out[d + e] = (words[first + e] >> 8) >= threshold ? scale : 0.0f;
+    d += take;
+  }
 }
 
 // Noise elements n0 .. n0+count-1 (philox.h's normal_at): Philox in groups of

@@ -112,6 +112,11 @@ VQLCMD_HD float normal_at(uint64_t seed, uint64_t offset, uint64_t n) {
   return (lane & 1) ? z1 : z0;
 }
 
+// Dropout with probability p keeps a stream element whose word's top 24 bits are at least this: a uniform
+// u = (word >> 8) / 2^24 >= p, compared in integers so that every backend (the reference's int64 Philox
+// too) draws the same mask, with p rounded up to a multiple of 2^-24.
+inline uint32_t dropout_threshold(double p) { return static_cast<uint32_t>(std::ceil(p * 16777216.0)); }
+
 // Counter blocks one call uses for `numel` elements; the caller advances the
 // generator's offset by this much.
 VQLCMD_HD uint64_t philox_blocks(uint64_t numel) { return (numel + 3) / 4; }

@@ -21,18 +21,36 @@ def test_math_attention_is_permutation_equivariant(gen):
     torch.testing.assert_close(out[:, :, perm], out_p, atol=1e-6, rtol=1e-5)
 
 
-def test_auto_on_cpu_takes_the_compiled_kernel_without_dropout_and_flash_refuses_cpu():
+def test_auto_on_cpu_takes_the_compiled_kernel_with_or_without_dropout_and_flash_refuses_cpu():
     from vqlcmd import ops
 
     q = torch.randn(1, 1, 4, 8)
-    assert attention_backend_for(q, 0.1) == "sdpa"  # the kernel has no dropout
     built = ops.why_not("short_attention", "compiled", q, q, q) is None
     assert attention_backend_for(q, 0.0) == ("compiled" if built else "sdpa")
+    assert attention_backend_for(q, 0.1) == ("compiled" if built else "sdpa")  # its dropout is in the kernel
     assert attention_backend_for(q.double(), 0.0) == "sdpa"
     with pytest.raises(RuntimeError):
         attention(q, q, q, backend="flash2")
-    with pytest.raises(RuntimeError, match="no dropout"):
-        attention(q, q, q, dropout_p=0.1, backend="compiled")
+
+
+def test_the_compiled_kernels_dropout_draws_its_seed_from_the_global_generator(gen):
+    """attention(..., dropout_p, backend="compiled") keys its mask by a seed the global generator draws: a
+    manual_seed reproduces the output, the next call drops other probabilities, and the output is the
+    reference's for the seed drawn."""
+    from vqlcmd import ops
+    from vqlcmd.ops import reference
+
+    q, k, v = (torch.randn(2, 2, 9, 4, generator=gen) for _ in range(3))
+    if ops.why_not("short_attention", "compiled", q, k, v):
+        pytest.skip("the compiled extension is not built")
+    torch.manual_seed(5)
+    first, second = (attention(q, k, v, dropout_p=0.5, backend="compiled") for _ in range(2))
+    torch.manual_seed(5)
+    seed = reference.philox_seed(None, q.device)
+    torch.testing.assert_close(first, reference.short_attention(q, k, v, 0.5, seed), atol=1e-6, rtol=1e-5)
+    torch.manual_seed(5)
+    torch.testing.assert_close(attention(q, k, v, dropout_p=0.5, backend="compiled"), first, atol=0, rtol=0)
+    assert not torch.equal(first, second)
 
 
 def test_forward_shapes_and_dtype(gen):

@@ -4,6 +4,7 @@ Liger-Kernel style: odd sizes, fp32 tight and bf16/fp16 with a tolerance per dty
 upstream gradients that are not all ones; plus opcheck, torch.compile and the
 Philox noise stream. GPU checks are in test_compiled_gpu.py.
 """
+import functools
 import math
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from vqlcmd import ops
-from vqlcmd.ops import _compiled
+from vqlcmd.ops import _compiled, reference
 
 pytestmark = pytest.mark.skipif(_compiled.unavailable() is not None,
                                 reason=f"compiled backend not built: {_compiled.unavailable()}")
@@ -777,6 +778,70 @@ def test_short_attention_opcheck_and_compile(gen):
                           (torch.randn_like(q), q, k, v, out, lse))
     assert_compiled_graph_matches_reference(ops.short_attention, (q, k, v),
                                             value_tol=dict(atol=1e-5, rtol=1e-5),
+                                            grad_tol=dict(atol=2e-5, rtol=1e-5))
+
+
+def _attention_dropout_float64(q, k, v, keep, dropout_p, upstream):
+    """(P ∘ keep / (1 − p)) v and its three gradients in float64, the mask given."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    p = torch.softmax(q64 @ k64.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+    out = (p * keep / (1.0 - dropout_p)) @ v64
+    return out.detach(), torch.autograd.grad(out, (q64, k64, v64), upstream.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 17, 8), (1, 1, 1, 4), (2, 4, 16, 16), (1, 2, 33, 5)])
+def test_short_attention_dropout_matches_float64_with_the_reference_mask(shape, dtype, gen):
+    """Attention dropout: values and gradients of both backends against float64 with the mask the reference
+    draws for the seed (reference.dropout_keep); odd M puts a Philox block across two rows and two heads, which
+    the kernel's regeneration in the backward must split as the forward did."""
+    q, k, v = ((torch.randn(shape, generator=gen) * 1.5).to(dtype) for _ in range(3))
+    upstream = torch.randn(shape, generator=gen).to(dtype)
+    seed, p = torch.tensor([-1234567890123456789]), 0.3
+    keep = reference.dropout_keep(seed, (*shape[:3], shape[2]), p)
+    o64, g64 = _attention_dropout_float64(q, k, v, keep.double(), p, upstream)
+    assert_backends_match_float64(functools.partial(ops.short_attention, dropout_p=p, seed=seed), (q, k, v),
+                                  upstream, o64, g64, dtype, grad_scales=(8.0 * math.sqrt(shape[2]),) * 3)
+
+
+def test_short_attention_dropout_keeps_1_minus_p_and_draws_from_the_generator(gen):
+    """The mask keeps a fraction 1 − p (10^6 draws: within 5 standard deviations), the same seed keeps the same
+    probabilities, and without a seed each call draws one from ``generator``: the same generator state gives the
+    same output, the next call another."""
+    seed = torch.tensor([7])
+    keep = reference.dropout_keep(seed, (1000, 1000), 0.1)
+    assert abs(keep.double().mean().item() - 0.9) < 5 * math.sqrt(0.9 * 0.1 / 1e6)
+    assert torch.equal(keep, reference.dropout_keep(seed, (1000, 1000), 0.1))
+    assert not torch.equal(keep, reference.dropout_keep(torch.tensor([8]), (1000, 1000), 0.1))
+    q, k, v = (torch.randn(2, 2, 12, 4, generator=gen) for _ in range(3))
+    outs = [ops.short_attention(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3),
+                                backend="compiled") for _ in range(2)]
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    g = torch.Generator().manual_seed(3)
+    first, second = (ops.short_attention(q, k, v, dropout_p=0.5, generator=g, backend="compiled") for _ in range(2))
+    assert torch.equal(first, outs[0]) and not torch.equal(first, second)
+    undropped = ops.short_attention(q, k, v, backend="compiled")
+    assert not torch.equal(first, undropped)
+
+
+def test_short_attention_dropout_errors_opcheck_and_compile(gen):
+    q, k, v = (torch.randn(2, 3, 11, 6, generator=gen) for _ in range(3))
+    seed = torch.tensor([42])
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+            ops.short_attention(q, k, v, dropout_p=bad, seed=seed)
+    with pytest.raises(ValueError, match="seed must be a one-element int64"):
+        ops.short_attention(q, k, v, dropout_p=0.1, seed=torch.tensor([1.0]))
+    with pytest.raises(RuntimeError, match="needs a seed"):
+        torch.ops.vqlcmd.short_attention(q, k, v, 0.1)
+    torch.library.opcheck(torch.ops.vqlcmd.short_attention.default,
+                          (q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_(), 0.2,
+                           seed))
+    out, lse = torch.ops.vqlcmd.short_attention(q, k, v, 0.2, seed)
+    torch.library.opcheck(torch.ops.vqlcmd.short_attention_backward.default,
+                          (torch.randn_like(q), q, k, v, out, lse, 0.2, seed))
+    assert_compiled_graph_matches_reference(functools.partial(ops.short_attention, dropout_p=0.2, seed=seed),
+                                            (q, k, v), value_tol=dict(atol=1e-5, rtol=1e-5),
                                             grad_tol=dict(atol=2e-5, rtol=1e-5))
 
 

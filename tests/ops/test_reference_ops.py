@@ -338,3 +338,17 @@ def test_guided_average_errors_name_its_own_arguments():
         ops.guided_embedding_average(torch.randn(2, 5), torch.randn(3, 5), table, 1.0)
     with pytest.raises(TypeError, match="uncond_logits"):
         ops.guided_embedding_average(torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), table, 1.0)
+
+
+def test_the_reference_philox_stream_is_philox4x32_10():
+    """reference.philox_words against Random123's known-answer vector (counter 0, key 0: kat_vectors,
+    "philox4x32 10"), and element n is word n % 4 of block n / 4 for a negative 64-bit key too (the key's two
+    words taken from its bits), as csrc/common/philox.h's philox_block gives them (test_compiled_ops checks
+    the kernels' masks against this stream)."""
+    from vqlcmd.ops import reference
+
+    words = reference.philox_words(torch.tensor([0]), 4)
+    assert [hex(w) for w in words.tolist()] == ["0x6627e8d5", "0xe169c58d", "0xbc57ac4c", "0x9b00dbd8"]
+    stream = reference.philox_words(torch.tensor([-5]), 11)
+    assert stream.min() >= 0 and stream.max() < 2 ** 32
+    assert torch.equal(stream[:7], reference.philox_words(torch.tensor([-5]), 7))

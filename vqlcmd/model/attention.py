@@ -2,8 +2,8 @@
 
 Order under ``backend="auto"``: FlashAttention-3 (``flash_attn_interface``), then
 FlashAttention-2 (``flash_attn``), for CUDA fp16/bf16 inputs with head dim <= 256 on GPUs they run on
-(FA3: Hopper, FA2: Ampere and later); on CPU without dropout, the
-extension's short-sequence kernel (``"compiled"``, ``vqlcmd.ops.short_attention``); then
+(FA3: Hopper, FA2: Ampere and later); on CPU, the extension's short-sequence kernel (``"compiled"``,
+``vqlcmd.ops.short_attention``, with attention dropout drawn inside it as flash attention draws it); then
 PyTorch SDPA (which itself picks flash / memory-efficient / math kernels); ``"math"`` is the
 explicit softmax(QKᵀ/√d)V, kept as the readable definition the others are tested against.
 
@@ -51,7 +51,7 @@ def attention_backend_for(q: torch.Tensor, dropout_p: float) -> str:
             return "flash3"
         if _fa2_func is not None and major >= 8:
             return "flash2"
-    if dropout_p == 0.0 and q.device.type == "cpu" and _compiled_why_not(q) is None:
+    if q.device.type == "cpu" and _compiled_why_not(q) is None:
         return "compiled"
     return "sdpa"
 
@@ -191,11 +191,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
             out = fn(qt, kt, vt, dropout_p=dropout_p, causal=False)
         return out.transpose(1, 2)
     if backend == "compiled":
-        if dropout_p:
-            raise RuntimeError("the compiled attention kernel has no dropout; use backend='sdpa'")
         from .. import ops
 
-        return ops.short_attention(q, k, v, backend="compiled")
+        # its dropout mask is Philox's, keyed by a seed the global generator draws (inside a compiled graph,
+        # inductor's draw), as SDPA's math path draws its mask
+        return ops.short_attention(q, k, v, dropout_p=dropout_p, backend="compiled")
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=False)
     return math_attention(q, k, v, dropout_p)

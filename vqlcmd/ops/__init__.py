@@ -183,16 +183,31 @@ def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
     return resolve("ada_layer_norm", backend, h, scale, shift)(h, scale, shift, eps)
 
 
-def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
+                    seed: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
+                    backend: str = "auto") -> torch.Tensor:
     """Bidirectional multi-head attention ``softmax(q kᵀ / √hd) v`` for short sequences.
 
     q, k, v (B, H, M, hd), one shape and dtype -> (B, H, M, hd); differentiable in all three; float32
     math. Not a VQ-LCMD op: the compiled backend is a CPU kernel for the sequence lengths of small
     token grids (M up to 1024), where PyTorch's CPU flash attention spends more on blocking than on
     the products (csrc/attention). The denoiser reaches it through ``vqlcmd.model.attention``.
+
+    ``dropout_p > 0`` drops attention probabilities, ``(P ∘ Z / (1 − p)) v``, with the keep mask Z a
+    function of ``seed`` (a one-element int64 tensor; drawn from ``generator`` when not given): score
+    (b, h, i, j) is kept where Philox4x32-10 element ((b H + h) M + i) M + j of that key, its top 24 bits
+    as a uniform, is at least p (``reference.dropout_keep``). Every backend draws the same mask for a seed,
+    and the backward regenerates it.
     """
     _checks.check_attention_inputs(q, k, v)
-    return resolve("short_attention", backend, q, k, v)(q, k, v)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0 and seed is None:
+        seed = reference.philox_seed(generator, q.device)
+    if seed is not None and (seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device):
+        raise ValueError(f"seed must be a one-element int64 tensor on {q.device}, got {seed.dtype} "
+                         f"{tuple(seed.shape)} on {seed.device}")
+    return resolve("short_attention", backend, q, k, v)(q, k, v, dropout_p, seed)
 
 
 def ema_update_(shadows: list, source: torch.Tensor, weights: list, copies: Sequence[torch.Tensor] = (),

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ._dispatch import register
+from .reference import philox_seed
 
 _IMPORT_ERROR: Optional[str] = None
 try:
@@ -118,29 +119,16 @@ def _priority(device: torch.device) -> int:
 
 # ---- noise_embeddings ------------------------------------------------------------------------
 
-def _philox_seed(generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
-    """A fresh 64-bit key for the in-kernel Philox stream, drawn by the torch generator into a
-    one-element tensor on ``device`` that the kernel reads (the counter starts at 0).
-
-    Drawn on the device rather than read from the generator on the host, so that a CUDA graph
-    captures the draw itself: each replay gets a new key from the generator's graph-safe state,
-    where a host-side (seed, offset) pair would be frozen into the graph at capture (PyTorch forbids
-    reading a CUDA generator's offset while capturing for that reason). A seeded generator
-    reproduces; successive calls differ.
-    """
-    return torch.randint(-2**63, 2**63 - 1, (1,), generator=generator, dtype=torch.int64, device=device)
-
-
 def noise_draw(tokens, table, *, generator=None) -> dict:
     """What ``noise_embeddings`` draws from ``generator``: the Philox key, as ``noise_key``."""
-    return {"noise_key": _philox_seed(generator, table.device)}
+    return {"noise_key": philox_seed(generator, table.device)}
 
 
 def noise_embeddings(tokens, table, alpha, sigma, *, noise=None, drop_mask=None, mask_index=None, generator=None,
                      noise_key=None):
     seed_tensor = noise_key
     if noise is None and seed_tensor is None:
-        seed_tensor = _philox_seed(generator, table.device)
+        seed_tensor = philox_seed(generator, table.device)
     elif noise is not None and noise.dtype not in KERNEL_DTYPES:
         noise = noise.float()
     return torch.ops.vqlcmd.noise_embeddings(tokens, table, alpha, sigma, noise, drop_mask,
@@ -272,19 +260,20 @@ def _ada_unsupported(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) 
 SHORT_ATTENTION_MAX_LEN = 1024  # csrc/attention: kMaxLen
 
 
-def short_attention(q, k, v):
-    return torch.ops.vqlcmd.short_attention(q, k, v)[0]
+def short_attention(q, k, v, dropout_p=0.0, seed=None):
+    return torch.ops.vqlcmd.short_attention(q, k, v, dropout_p, seed)[0]
 
 
 def _attn_setup_context(ctx, inputs, output):
-    q, k, v = inputs
+    q, k, v, dropout_p, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.dropout_p = dropout_p
 
 
 def _attn_backward(ctx, grad, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    return torch.ops.vqlcmd.short_attention_backward(grad, q, k, v, out, lse)
+    q, k, v, out, lse, seed = ctx.saved_tensors
+    return (*torch.ops.vqlcmd.short_attention_backward(grad, q, k, v, out, lse, ctx.dropout_p, seed), None, None)
 
 
 def _attn_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
@@ -376,11 +365,11 @@ def _register_library() -> None:
         return None
 
     @torch.library.register_fake(lib + "short_attention")
-    def _(q, k, v):
+    def _(q, k, v, dropout_p=0.0, seed=None):
         return _blhd_empty(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.register_fake(lib + "short_attention_backward")
-    def _(grad, q, k, v, out, lse):
+    def _(grad, q, k, v, out, lse, dropout_p=0.0, seed=None):
         return _blhd_empty(q), _blhd_empty(q), _blhd_empty(q)
 
     # The backward ops have no derivative of their own. Unregistered, autograd took them as constants under

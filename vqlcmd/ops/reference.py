@@ -47,12 +47,70 @@ def ada_layer_norm(h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, ep
     return ((1 + scale[:, None]) * n + shift[:, None]).to(h.dtype)
 
 
+def philox_seed(generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
+    """A fresh 64-bit key for an in-kernel Philox stream, drawn by the torch generator into a one-element
+    tensor on ``device`` that the kernel reads (the counter starts at 0).
+
+    Drawn on the device rather than read from the generator on the host, so that a CUDA graph
+    captures the draw itself: each replay gets a new key from the generator's graph-safe state,
+    where a host-side (seed, offset) pair would be frozen into the graph at capture (PyTorch forbids
+    reading a CUDA generator's offset while capturing for that reason). A seeded generator
+    reproduces; successive calls differ.
+    """
+    return torch.randint(-2**63, 2**63 - 1, (1,), generator=generator, dtype=torch.int64, device=device)
+
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_LOW32 = 0xFFFFFFFF
+
+
+def _mulhilo32(m: int, x: torch.Tensor) -> tuple:
+    """(low, high) 32-bit words of m · x for words x held in int64, without overflowing int64: m in 16-bit
+    halves, each partial product below 2^48."""
+    low_part, high_part = x * (m & 0xFFFF), x * (m >> 16)
+    low = (((high_part & 0xFFFF) << 16) + low_part) & _LOW32
+    high = (high_part + (low_part >> 16)) >> 16
+    return low, high
+
+
+def philox_words(seed: torch.Tensor, count: int) -> torch.Tensor:
+    """Words 0 .. count-1 of the Philox4x32-10 stream keyed by ``seed`` (counter from 0; element n is word
+    n % 4 of block n / 4), as int64 in [0, 2^32): the C++ kernels' stream (csrc/common/philox.h), written with
+    tensor ops so that it runs on any device without reading the seed back."""
+    blocks = torch.arange((count + 3) // 4, dtype=torch.int64, device=seed.device)
+    key = seed.reshape(()).to(torch.int64)
+    k0, k1 = key & _LOW32, (key >> 32) & _LOW32
+    c0, c1 = blocks & _LOW32, blocks >> 32
+    c2 = c3 = torch.zeros_like(blocks)
+    for round_ in range(10):
+        if round_ > 0:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _LOW32, (k1 + _PHILOX_W[1]) & _LOW32
+        lo0, hi0 = _mulhilo32(_PHILOX_M[0], c0)
+        lo1, hi1 = _mulhilo32(_PHILOX_M[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return torch.stack((c0, c1, c2, c3), dim=1).reshape(-1)[:count]
+
+
+def dropout_keep(seed: torch.Tensor, shape: tuple, dropout_p: float) -> torch.Tensor:
+    """The keep mask of dropout with probability ``dropout_p`` over a tensor of ``shape`` (row-major element
+    n takes stream word n): kept where the word's top 24 bits, a uniform in [0, 1) on a 2^-24 grid, are at least
+    p, compared in integers (p rounded up to the grid: csrc/common/philox.h, dropout_threshold)."""
+    threshold = math.ceil(dropout_p * 2 ** 24)
+    return (philox_words(seed, math.prod(shape)) >> 8).ge(threshold).reshape(shape)
+
+
 @float32_math
-def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √d) v, float32 math; q, k, v (B, H, M, hd)."""
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(q kᵀ / √d) v, float32 math; q, k, v (B, H, M, hd). Dropout: P ∘ Z / (1 − p), Z the
+    ``dropout_keep`` mask of ``seed`` over the (B, H, M, M) probabilities."""
     dt = math_dtype(q, k, v)
     scores = q.to(dt) @ k.to(dt).transpose(-2, -1) / q.shape[-1] ** 0.5  # (B, H, M, M)
-    return (torch.softmax(scores, dim=-1) @ v.to(dt)).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = probs * dropout_keep(seed, tuple(probs.shape), dropout_p) / (1.0 - dropout_p)
+    return (probs @ v.to(dt)).to(q.dtype)
 
 
 @float32_math
