@@ -184,7 +184,8 @@ struct Dropout {
                 ": seed must be a one-element int64 CPU tensor, got ", seed->scalar_type(), " ", seed->sizes(),
                 " on ", seed->device());
     on = true;
-    key = static_cast<uint64_t>(seed->item<int64_t>());
+    // read in place (a CPU tensor): item() would dispatch an op per call, two per layer and step
+    key = static_cast<uint64_t>(*seed->data_ptr<int64_t>());
     threshold = dropout_threshold(p);
     scale = static_cast<float>(1.0 / (1.0 - p));
   }

@@ -53,7 +53,7 @@ at::Tensor noise_embeddings_cpu(const at::Tensor& tokens, const at::Tensor& tabl
                                 int64_t offset, const std::optional<at::Tensor>& seed_tensor) {
   const NoiseArgs a = noise_args(tokens, table, alpha, sigma, noise, drop_mask, mask_index);
   check_seed_tensor(seed_tensor, table);
-  if (seed_tensor.has_value()) seed = seed_tensor->item<int64_t>();
+  if (seed_tensor.has_value()) seed = *seed_tensor->data_ptr<int64_t>();  // a CPU tensor: no item() dispatch
   at::Tensor out = at::empty({a.B, a.M, a.D}, table.options());
   if (out.numel() == 0) return out;
   VQLCMD_DISPATCH_FLOAT(table.scalar_type(), "noise_embeddings_cpu", [&] {
