@@ -5,6 +5,8 @@
     python benchmarks/host_overhead.py --size full --batch 32   # on a GPU: the real step, same breakdown
     python benchmarks/host_overhead.py --profile torch     # + aten op counts per phase
     python benchmarks/host_overhead.py --profile cprofile  # + the Python functions that cost most
+    python benchmarks/host_overhead.py --compare --bf16 true --pairs 3   # DeepSpeed's step against the flat one,
+                                                   # alternated 3 times: each pair's ratios and their median
 
 The step is the engine's own (``Trainer.train_step`` with ``train.fast``, DeepSpeed ZeRO 2 on one rank,
 both EMAs, the teacher forward, the whole loss), built from configs/ds_imagenet.json with its DeepSpeed
@@ -435,26 +437,48 @@ def compare_table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
+def pair_ratios(pairs: list) -> str:
+    """The flat step's ratios to DeepSpeed's over alternating (before, after) pairs: each pair's, and the median
+    and range of them (a shared VM's speed swings by 30% between runs a minute apart, both ways)."""
+    import statistics
+
+    def line(name, values):
+        return (f"{name}: median {statistics.median(values):.3f} (range {min(values):.3f}-{max(values):.3f}; "
+                + ", ".join(f"{v:.3f}" for v in values) + ")")
+
+    lines = [line("host ms ratio", [a["ms_per_step"] / b["ms_per_step"] for b, a in pairs])]
+    if all("cpu_arithmetic" in r for pair in pairs for r in pair):
+        lines.append(line("host work ratio", [a["cpu_arithmetic"]["host_only_ms"] / b["cpu_arithmetic"]["host_only_ms"]
+                                              for b, a in pairs]))
+    return f"over {len(pairs)} alternating pairs, " + "; ".join(lines)
+
+
 def _compare(args, argv) -> int:
     """The baseline (DeepSpeed's engine step, eager: ``train.fast`` before the flat step) and the new step (flat,
-    compiled) in one run, each in a process of its own, then the per-phase table."""
+    compiled) in one run, each in a process of its own, then the per-phase table; ``--pairs N`` alternates them
+    N times and adds the ratios' median."""
     import subprocess
 
-    rows = []
+    pairs = []
+    rest = [a for i, a in enumerate(argv) if a not in ("--compare", "--compile", "--pairs")
+            and not a.startswith("--pairs=") and (i == 0 or argv[i - 1] != "--pairs")]
     with tempfile.TemporaryDirectory() as tmp:
-        for i, extra in enumerate((["--step", "deepspeed"], ["--step", "flat", "--compile"])):
-            out = Path(tmp) / f"{i}.jsonl"
-            rest = [a for a in argv if a not in ("--compare", "--compile")]
-            subprocess.run([sys.executable, __file__, *rest, *extra, "--profile", "torch", "--json", str(out)],
-                           check=True, stdout=subprocess.DEVNULL)
-            rows.append(json.loads(out.read_text().splitlines()[-1]))
-    for row in rows:
-        print(summary(row))
-    print(compare_table(*rows))
-    if args.json:
-        with open(args.json, "a") as f:
+        for k in range(args.pairs):
+            rows = []
+            for i, extra in enumerate((["--step", "deepspeed"], ["--step", "flat", "--compile"])):
+                out = Path(tmp) / f"{k}-{i}.jsonl"
+                subprocess.run([sys.executable, __file__, *rest, *extra, "--profile", "torch", "--json", str(out)],
+                               check=True, stdout=subprocess.DEVNULL)
+                rows.append(json.loads(out.read_text().splitlines()[-1]))
+            pairs.append(rows)
             for row in rows:
-                f.write(json.dumps(row) + "\n")
+                print(summary(row))
+            print(compare_table(*rows), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in rows)
+    if len(pairs) > 1:
+        print(pair_ratios(pairs))
     return 0
 
 
@@ -478,6 +502,8 @@ def main(argv=None) -> int:
                    "(with --ds '{\"compile\": {\"deepcompile\": true}}': DeepCompile)")
     p.add_argument("--compare", action="store_true", help="DeepSpeed's eager step against the compiled flat step "
                    "(sampling: eager against compiled), each counted, and the per-phase table")
+    p.add_argument("--pairs", type=int, default=1, help="with --compare: alternate the two steps this many times "
+                   "and print the ratios' median")
     p.add_argument("--profile", choices=("none", "torch", "cprofile"), default="none")
     p.add_argument("--reads", action="store_true", help="count tensor read-backs and syncs per phase")
     p.add_argument("--threads", type=int, default=1)

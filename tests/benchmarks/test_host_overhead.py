@@ -47,3 +47,16 @@ def test_the_compare_table_gives_the_host_work_without_the_cpus_arithmetic():
     assert "| of it, host work | | | 80.0 | 20.0 |" in table
     assert "| 30.0 | 10.0 |" in table  # the matmuls' set-up
     assert table.endswith("host ms ratio 0.400, host work without the CPU's arithmetic 0.250")
+
+
+def test_alternating_pairs_give_each_pairs_ratio_and_their_median():
+    def row(ms, host_only):
+        return {"ms_per_step": ms, "cpu_arithmetic": {"host_only_ms": host_only}}
+
+    pairs = [(row(100.0, 80.0), row(40.0, 20.0)), (row(150.0, 120.0), row(45.0, 36.0)),
+             (row(120.0, 100.0), row(30.0, 20.0))]
+    text = host_overhead.pair_ratios(pairs)
+    assert text.startswith("over 3 alternating pairs, host ms ratio: median 0.300 (range 0.250-0.400; "
+                           "0.400, 0.300, 0.250)")
+    assert text.endswith("host work ratio: median 0.250 (range 0.200-0.300; 0.250, 0.300, 0.200)")
+    assert "host work" not in host_overhead.pair_ratios([({"ms_per_step": 10.0}, {"ms_per_step": 5.0})] * 2)
