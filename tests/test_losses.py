@@ -17,9 +17,9 @@ from vqlcmd.schedule import ShiftedCosineSchedule
 K = 16
 
 
-def _setup(seed=0, **cfg_kw):
+def _setup(seed=0, attn_dropout=0.0, **cfg_kw):
     torch.manual_seed(seed)
-    net = VQLCMDNetwork(preset_config("tiny", attn_dropout=0.0), **cfg_kw)
+    net = VQLCMDNetwork(preset_config("tiny", attn_dropout=attn_dropout), **cfg_kw)
     with torch.no_grad():  # AdaLN starts at zero: perturb so that t and y reach the student's logits too
         for p in net.denoiser.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -511,12 +511,22 @@ def test_collapse_indicator_known_value():
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])  # auto: the C++ noise kernel and its Philox key
 @pytest.mark.parametrize("strategy", ["fixed", "linear", "random_ratio"])
-def test_drawn_loss_is_the_loss_with_its_draws_taken_first(backend, strategy):
+@pytest.mark.parametrize("attn_dropout", [0.0, 0.3])
+def test_drawn_loss_is_the_loss_with_its_draws_taken_first(backend, strategy, attn_dropout):
     """draw_loss_randoms takes every number the loss would draw, in its order (the generator ends in the same
-    state), and training_losses_drawn with them draws nothing and gives the same terms and gradients."""
+    state), and training_losses_drawn with them draws nothing and gives the same terms and gradients. With
+    attention dropout, the key of the CPU attention kernel's masks is one of the draws, so nothing comes from
+    the global generator either."""
+    from vqlcmd import ops
     from vqlcmd.diffusion import draw_loss_randoms, training_losses_drawn
 
-    net, teacher, x, y = _setup()
+    net, teacher, x, y = _setup(attn_dropout=attn_dropout)
+    if attn_dropout:
+        if ops.why_not("short_attention", "compiled"):
+            pytest.skip("the compiled extension is not built")
+        for block in net.denoiser.blocks:
+            block.attention_backend = "compiled"
+        teacher.eval()  # as the EMA teacher runs: without dropout
     cfg = LossConfig(p_drop=0.3, label_drop=0.5, drop_strategy=strategy, l0_fraction=0.5)
     sched = ShiftedCosineSchedule(-1.0)
     g = torch.Generator().manual_seed(11)
@@ -525,6 +535,7 @@ def test_drawn_loss_is_the_loss_with_its_draws_taken_first(backend, strategy):
     want_grads = torch.autograd.grad(want["loss"], list(net.parameters()))
     g.manual_seed(11)
     draws = draw_loss_randoms(net, x, y, cfg, generator=g, backend=backend)
+    assert ("dropout_seed" in draws) == (attn_dropout > 0)
     assert torch.equal(torch.rand(4, generator=g), after_loss)
     g.manual_seed(1234)  # nothing more is drawn from it, nor from torch's global generator
     cpu_state = torch.get_rng_state()

@@ -223,3 +223,39 @@ def test_compiled_the_adaln_maps_are_one_matmul_with_the_eager_values_and_gradie
     linears = [n for n in graphs[0].graph.nodes if n.target is torch._C._nn.linear]
     # in_proj, the time MLP's two, qkv/proj/fc1/fc2 per block, the head, and one for all the AdaLN maps
     assert len(linears) == 1 + 2 + 4 * den.cfg.depth + 1 + 1
+
+
+def test_a_dropout_seed_keys_the_training_forwards_attention_dropout(gen):
+    """Training with attention dropout on a CPU (the compiled kernel): a given ``dropout_seed`` gives the same
+    logits whatever the global generator's state, another seed other logits; each block takes its own key
+    (seed + i: one shared key would drop the same probabilities in every block); in eval mode the seed is
+    ignored."""
+    from vqlcmd import ops
+
+    model = build_denoiser("tiny").train()
+    cfg = model.cfg
+    probe = torch.empty(1, cfg.heads, cfg.seq_len, cfg.width // cfg.heads)
+    if ops.why_not("short_attention", "compiled", probe, probe, probe):
+        pytest.skip("the compiled extension is not built")
+    assert cfg.attn_dropout > 0 and cfg.depth > 1
+    z = torch.randn(2, cfg.seq_len, cfg.embed_dim, generator=gen)
+    t, y = torch.rand(2, generator=gen), torch.tensor([0, 1])
+    seed = torch.tensor([123])
+    torch.manual_seed(0)
+    a = model(z, t, y, dropout_seed=seed)
+    torch.manual_seed(1)
+    torch.testing.assert_close(model(z, t, y, dropout_seed=seed), a, atol=0, rtol=0)
+    assert not torch.equal(model(z, t, y, dropout_seed=torch.tensor([124])), a)
+    keys = []
+    real = ops.short_attention
+
+    def spy(*args, seed=None, **kwargs):
+        keys.append(int(seed))
+        return real(*args, seed=seed, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ops, "short_attention", spy)
+        model(z, t, y, dropout_seed=seed)
+    assert keys == [123 + i for i in range(cfg.depth)]
+    model.eval()
+    torch.testing.assert_close(model(z, t, y, dropout_seed=seed), model(z, t, y), atol=0, rtol=0)

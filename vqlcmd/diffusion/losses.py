@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..engine.config import DROP_STRATEGIES, WEIGHTINGS, LossConfig  # noqa: F401  (the schema; re-exported)
 from ..network import VQLCMDNetwork
+from ..ops.reference import philox_seed
 from ..schedule import ShiftedCosineSchedule
 
 # the vqlcmd.ops this loss calls with its backend argument (the run's train.backend must serve each:
@@ -71,7 +72,8 @@ def draw_loss_randoms(net: VQLCMDNetwork, tokens: torch.Tensor, labels: Optional
                       generator: Optional[torch.Generator] = None, backend: str = "auto") -> dict:
     """Every random number one loss evaluation takes from ``generator``, drawn now, in the order
     :func:`training_losses` draws them: the uniforms of t, s, the dropping mask and the label dropping, then
-    the noise of z_t and of z_0 (as :func:`vqlcmd.ops.noise_draw` gives them for the backend). With these,
+    the noise of z_t and of z_0 (as :func:`vqlcmd.ops.noise_draw` gives them for the backend), and the key of
+    the student's attention dropout (training with ``attn_dropout > 0``). With these,
     :func:`training_losses_drawn` draws nothing, so it can run as one compiled graph (Dynamo cannot trace a
     generator) with the default step's streams."""
     B, M = tokens.shape
@@ -86,6 +88,8 @@ def draw_loss_randoms(net: VQLCMDNetwork, tokens: torch.Tensor, labels: Optional
     weight = net.embedding.weight  # what the table's dtype and device resolve the noise backend by
     draws["noise_t"] = ops.noise_draw(tokens, weight, generator=generator, backend=backend)
     draws["noise_0"] = ops.noise_draw(tokens[:_l0_rows(cfg, B)], weight, generator=generator, backend=backend)
+    if net.denoiser.training and net.denoiser.cfg.attn_dropout > 0:  # the key of the student's attention dropout
+        draws["dropout_seed"] = philox_seed(generator, device)
     return draws
 
 
@@ -153,7 +157,8 @@ def training_losses_drawn(net: VQLCMDNetwork, teacher: VQLCMDNetwork, schedule: 
                                drop_mask=drop_mask[:B0] if cfg.drop_in_l0 and drop_mask is not None else None,
                                mask_index=K, backend=backend, **draws["noise_0"])
     y2 = None if y is None else torch.cat([y, y[:B0]])
-    logits = net.denoiser(torch.cat([z_t, z_0]), torch.cat([t, t0]), y2).float()  # (B + B0, M, K)
+    logits = net.denoiser(torch.cat([z_t, z_0]), torch.cat([t, t0]), y2,
+                          dropout_seed=draws.get("dropout_seed")).float()  # (B + B0, M, K)
     logits_t, logits_0 = logits[:B], logits[B:]
 
     # 3-4. teacher: one DDIM step with the EMA table, then the EMA denoiser, no gradient; skipped

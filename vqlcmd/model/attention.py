@@ -165,9 +165,10 @@ def math_attention(q, k, v, dropout_p: float = 0.0, generator: Optional[torch.Ge
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-              backend: str = "auto") -> torch.Tensor:
+              backend: str = "auto", seed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Bidirectional (unmasked) multi-head attention. q, k, v: (B, H, M, hd) -> (B, H, M, hd). ``flash4`` with
-    ``dropout_p > 0`` runs SDPA (FA4 has no dropout)."""
+    ``dropout_p > 0`` runs SDPA (FA4 has no dropout). ``seed`` keys the dropout mask of the backend that draws
+    its own (``compiled``); the others draw theirs from the global generator."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     backend = resolved_backend(backend, q, dropout_p)
@@ -193,9 +194,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
     if backend == "compiled":
         from .. import ops
 
-        # its dropout mask is Philox's, keyed by a seed the global generator draws (inside a compiled graph,
-        # inductor's draw), as SDPA's math path draws its mask
-        return ops.short_attention(q, k, v, dropout_p=dropout_p, backend="compiled")
+        # its dropout mask is Philox's, keyed by ``seed``, or by one the global generator draws (inside a compiled
+        # graph, inductor's draw) as SDPA's math path draws its mask
+        return ops.short_attention(q, k, v, dropout_p=dropout_p, seed=seed if dropout_p else None,
+                                   backend="compiled")
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=False)
     return math_attention(q, k, v, dropout_p)

@@ -147,11 +147,11 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(w, hidden), GELU(cfg.activation),
                                  nn.Linear(hidden, w))
 
-    def forward(self, h: torch.Tensor, cond: torch.Tensor, ab1=None, ab2=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cond: torch.Tensor, ab1=None, ab2=None, seed=None) -> torch.Tensor:
         B, M, W = h.shape
         q, k, v = self.qkv(self.norm1(h, cond, ab1)).view(B, M, 3, self.heads, W // self.heads).permute(2, 0, 3, 1, 4)
         p = self.attn_dropout if self.training else 0.0
-        a = attention(q, k, v, dropout_p=p, backend=self.attention_backend)  # (B, H, M, hd)
+        a = attention(q, k, v, dropout_p=p, backend=self.attention_backend, seed=seed)  # (B, H, M, hd)
         h = h + self.proj(a.transpose(1, 2).reshape(B, M, W))
         return h + self.mlp(self.norm2(h, cond, ab2))  # (B, M, W)
 
@@ -185,7 +185,12 @@ class Denoiser(nn.Module):
             cond = cond + self.class_emb(y)
         return F.silu(cond)
 
-    def forward(self, z: torch.Tensor, t: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, t: torch.Tensor, y: Optional[torch.Tensor] = None, *,
+                dropout_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``dropout_seed``: a one-element int64 tensor that keys the attention dropout's masks where the attention
+        draws its own (the CPU kernel: ``vqlcmd.ops.short_attention``), block i's with ``seed + i``; drawn with a
+        loss's other random numbers, it makes a compiled step drop what the eager one drops. Without it the
+        attention draws from the global generator. Other attention paths (SDPA's) ignore it."""
         B, M, D = z.shape
         if D != self.cfg.embed_dim or M > self.cfg.seq_len:
             raise ValueError(
@@ -205,9 +210,14 @@ class Denoiser(nn.Module):
                 raise IndexError(f"class labels must be in [0, {self.null_class}] ({self.null_class} = null)")
         cond = self.condition(t, y).to(z.dtype)  # (B, W)
         h = self.in_proj(z) + self.pos[:M].to(z.dtype)  # (B, M, W)
+        seeds = [None] * len(self.blocks)
+        if dropout_seed is not None and self.training and self.cfg.attn_dropout > 0:
+            # the low 62 bits, so that adding the block's index cannot overflow int64; one op, then views
+            keys = (dropout_seed.reshape(1) & (2 ** 62 - 1)) + torch.arange(len(self.blocks), device=z.device)
+            seeds = list(keys.split(1))
         if not torch.compiler.is_compiling():
-            for block in self.blocks:
-                h = block(h, cond)
+            for block, seed in zip(self.blocks, seeds):
+                h = block(h, cond, seed=seed)
             return self.head(self.final_norm(h, cond))  # (B, M, K)
         # compiled: the 2·depth + 1 AdaLN maps all read cond, so they are one matmul of the stacked weights (the
         # stacking is one copy kernel in the graph, its backward a split): 2·depth fewer matmul launches in the
@@ -216,7 +226,7 @@ class Denoiser(nn.Module):
         ab = F.linear(cond, torch.cat([n.to_ab.weight for n in norms]), torch.cat([n.to_ab.bias for n in norms]))
         ab = ab.split(2 * self.cfg.width, dim=-1)
         for i, block in enumerate(self.blocks):
-            h = block(h, cond, ab[2 * i], ab[2 * i + 1])
+            h = block(h, cond, ab[2 * i], ab[2 * i + 1], seed=seeds[i])
         return self.head(self.final_norm(h, cond, ab[-1]))  # (B, M, K)
 
 
