@@ -20,8 +20,9 @@
 // the (B, H, M, M) scores being stream element ((b H + h) M + i) M + j, so the
 // backward regenerates the mask instead of storing it, and the forward is one
 // call rather than the SDPA math path's products, softmax and mask draw per layer
-// (~6 ms of a ~36 ms step of imagenet-246m's 24 layers at the host-overhead
-// benchmark's size). O = (P ∘ Z / (1 − p)) V with Z the keep mask; lse is P's.
+// (at the digits model's M = 64, hd = 32, forward and backward of one layer for 64
+// images x 4 heads: 5.3 ms in bf16 against 15.1 ms, docs/fast_training.md).
+// O = (P ∘ Z / (1 − p)) V with Z the keep mask; lse is P's.
 //
 // Output and gradients are laid out (B, M, H, hd) in memory and returned as
 // (B, H, M, hd) views: the denoiser's next op reshapes the heads back to
@@ -196,11 +197,11 @@ struct Dropout {
   }
 };
 
-// a ∘= b over n floats
-void mul_in_place(float* a, const float* b, int64_t n) {
+// out = a ∘ b over n floats (out may be a)
+void mul_into(const float* a, const float* b, float* out, int64_t n) {
   int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(a + j) * Vec::loadu(b + j)).store(a + j);
-  for (; j < n; ++j) a[j] *= b[j];
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(a + j) * Vec::loadu(b + j)).store(out + j);
+  for (; j < n; ++j) out[j] = a[j] * b[j];
 }
 
 at::Tensor blhd_empty(const at::Tensor& like) {
@@ -237,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor> short_attention_cpu(const at::Tensor& q, cons
         softmax_rows(s.data(), M, lp + bh * M);
         if (drop.on) {
           drop.scales(bh, M, zm.data());
-          mul_in_place(s.data(), zm.data(), M * M);  // P ∘ Z / (1 − p)
+          mul_into(s.data(), zm.data(), s.data(), M * M);  // P ∘ Z / (1 − p)
         }
         gemm_rm(false, false, M, hd, M, 1.0f, s.data(), M, vb.data(), hd, ob.data(), hd);  // O = P V
         scatter_head(ob.data(), op, b, h, M, H, hd);
@@ -294,8 +295,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward_cpu(cons
         const float* d = p.data();
         if (drop.on) {
           drop.scales(bh, M, zm.data());
-          std::copy(p.begin(), p.end(), pd.begin());
-          mul_in_place(pd.data(), zm.data(), M * M);
+          mul_into(p.data(), zm.data(), pd.data(), M * M);
           d = pd.data();
         }
         // dV = Pᵀ dO (Dᵀ dO)
@@ -303,7 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward_cpu(cons
         scatter_head(db.data(), dvp, b, h, M, H, hd);
         // dP = dO Vᵀ, then dS in place
         gemm_rm(false, true, M, M, hd, 1.0f, gb.data(), hd, vb.data(), hd, dp.data(), M);
-        if (drop.on) mul_in_place(dp.data(), zm.data(), M * M);
+        if (drop.on) mul_into(dp.data(), zm.data(), dp.data(), M * M);
         for (int64_t i = 0; i < M; ++i) {
           const float* gi = gb.data() + i * hd;
           const float* oi = ob.data() + i * hd;

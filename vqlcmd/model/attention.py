@@ -196,8 +196,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
 
         # its dropout mask is Philox's, keyed by ``seed``, or by one the global generator draws (inside a compiled
         # graph, inductor's draw) as SDPA's math path draws its mask
-        return ops.short_attention(q, k, v, dropout_p=dropout_p, seed=seed if dropout_p else None,
-                                   backend="compiled")
+        return ops.short_attention(q, k, v, dropout_p=dropout_p, seed=seed, backend="compiled")
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=False)
     return math_attention(q, k, v, dropout_p)
